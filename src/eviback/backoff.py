@@ -1,0 +1,155 @@
+"""Evidence-constrained teacher backoff: rewards and advantages, as pure functions.
+
+Numbers in, numbers out; no model, no trainer, no I/O. The training adapter calls these and never
+re-derives the math (EVIBACK.md section 4):
+
+1. **Actor-first precedence.** A group with a verified hit (EM = 1 for some rollout) trains on its actor
+   rewards, `A = (EM - mean) / (std + eps)`; the teacher is not consulted.
+2. **Selective fallback.** Only an all-zero group asks the teacher; its hybrid rewards `r` are normalised in
+   the group and *then* scaled: `A = lam * (r - mean) / (std + eps)`. Scaling after normalisation matters:
+   scaling `r` before a z-score would cancel out.
+3. **Failures degrade deliberately.** If any verdict of a fallback group is a teacher error, the group falls
+   back to plain GRPO (advantage 0 for an all-zero group) and is counted; it is never scored as 0 reward.
+
+`std` is the sample standard deviation (Bessel-corrected, as TRL and verl compute it); a group of one has
+std 0. Modes reproduce the baselines: plain GRPO (`grpo`), DAPO-style filtering of zero-variance groups
+(`dapo`), and EviBack (`eviback`) with any teacher policy and any lambda.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from eviback.types import Verdict
+
+
+class Mode(enum.StrEnum):
+    GRPO = "grpo"  # actor rewards only; all-zero groups get advantage 0
+    DAPO = "dapo"  # actor rewards; zero-variance groups are dropped from the loss
+    EVIBACK = "eviback"  # actor rewards, teacher rewards for all-zero groups
+
+
+class GroupKind(enum.StrEnum):
+    """How a group's advantages were obtained."""
+
+    VERIFIED = "verified"  # at least one verified hit: actor rewards
+    ALL_ZERO = "all_zero"  # no hit, no teacher (grpo mode): advantage 0
+    FALLBACK = "fallback"  # no hit: teacher rewards x lambda
+    TEACHER_ERROR = "teacher_error"  # no hit, teacher failed on some rollout: advantage 0, counted
+    DROPPED = "dropped"  # dapo: zero-variance group removed from the loss
+
+
+@dataclass(frozen=True)
+class BackoffConfig:
+    """How advantages are computed.
+
+    Attributes:
+        mode: `grpo`, `dapo` or `eviback`.
+        lam: lambda, the scale of teacher advantages (applied after normalisation). 0 disables the teacher's
+            effect while still calling it; EVIBACK.md uses 0.1.
+        eps: added to the group std before dividing.
+        hit_threshold: a rollout is a verified hit when its EM is at least this (EM is 0/1, so 1.0).
+    """
+
+    mode: Mode = Mode.EVIBACK
+    lam: float = 0.1
+    eps: float = 1e-6
+    hit_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if not math.isfinite(self.lam) or self.lam < 0:
+            raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps} (it keeps the z-score finite for constant groups)")
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """The outcome for one group. `rewards` are the rewards the advantages were computed from (EM, or the
+    teacher's hybrid rewards for a fallback group); `keep` is False when the group is dropped from the loss."""
+
+    kind: GroupKind
+    em: tuple[float, ...]
+    rewards: tuple[float, ...]
+    advantages: tuple[float, ...]
+    keep: bool = True
+
+
+def zscore(values: Sequence[float], eps: float) -> tuple[float, ...]:
+    """`(v - mean) / (std + eps)` with the sample std (0 for a single value)."""
+    n = len(values)
+    if n == 0:
+        return ()
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return tuple((v - mean) / (std + eps) for v in values)
+
+
+def has_verified_hit(em: Sequence[float], config: BackoffConfig) -> bool:
+    return any(e >= config.hit_threshold for e in em)
+
+
+def needs_teacher(em: Sequence[float], config: BackoffConfig) -> bool:
+    """True when the teacher must judge this group: EviBack mode and no verified hit."""
+    return config.mode is Mode.EVIBACK and not has_verified_hit(em, config)
+
+
+def group_advantages(
+    em: Sequence[float], verdicts: Sequence[Verdict] | None, config: BackoffConfig
+) -> GroupAdvantages:
+    """Advantages of one group from its actor EM and, for a fallback group, the teacher's verdicts.
+
+    `verdicts` is required (one per rollout) exactly when :func:`needs_teacher` is True, and ignored
+    otherwise (the teacher is never consulted for a group with a verified hit)."""
+    em = tuple(float(e) for e in em)
+    zeros = (0.0,) * len(em)
+    if config.mode is Mode.DAPO and len(set(em)) <= 1:
+        return GroupAdvantages(GroupKind.DROPPED, em, em, zeros, keep=False)
+    if has_verified_hit(em, config):
+        return GroupAdvantages(GroupKind.VERIFIED, em, em, zscore(em, config.eps))
+    if config.mode is not Mode.EVIBACK:
+        return GroupAdvantages(GroupKind.ALL_ZERO, em, em, zeros)
+    if verdicts is None or len(verdicts) != len(em):
+        got = "none" if verdicts is None else len(verdicts)
+        raise ValueError(f"an all-zero group of {len(em)} rollouts needs {len(em)} verdicts, got {got}")
+    if any(v.teacher_error or v.reward is None for v in verdicts):
+        return GroupAdvantages(GroupKind.TEACHER_ERROR, em, em, zeros)
+    rewards = tuple(float(v.reward) for v in verdicts)
+    advantages = tuple(config.lam * a for a in zscore(rewards, config.eps))
+    return GroupAdvantages(GroupKind.FALLBACK, em, rewards, advantages)
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """Counts over a batch of groups, for the training metrics."""
+
+    groups: int
+    verified: int
+    all_zero: int  # groups without a verified hit, whatever happened next
+    fallback: int  # all-zero groups that trained on teacher rewards
+    teacher_error: int
+    dropped: int
+
+    @property
+    def all_zero_share(self) -> float:
+        return self.all_zero / self.groups if self.groups else 0.0
+
+    @property
+    def fallback_share(self) -> float:
+        return self.fallback / self.groups if self.groups else 0.0
+
+
+def summarize(outcomes: Sequence[GroupAdvantages], config: BackoffConfig) -> BatchSummary:
+    kinds = [o.kind for o in outcomes]
+    return BatchSummary(
+        groups=len(outcomes),
+        verified=kinds.count(GroupKind.VERIFIED),
+        all_zero=sum(not has_verified_hit(o.em, config) for o in outcomes),
+        fallback=kinds.count(GroupKind.FALLBACK),
+        teacher_error=kinds.count(GroupKind.TEACHER_ERROR),
+        dropped=kinds.count(GroupKind.DROPPED),
+    )
