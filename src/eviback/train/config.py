@@ -1,0 +1,155 @@
+"""The configuration of an `eviback train` run: one dataclass, presets, files and overrides.
+
+A run's configuration is resolved in this order, later wins: the dataclass defaults, a preset
+(`eviback`, `grpo`, `dapo`, `eviback-single-prompt`, ...: YAML files next to this module holding values
+only), a user YAML file (`--config`), then `--set key=value` overrides. The resolved configuration is
+written to the run directory as `config.yaml`; a resumed run must match it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eviback.backoff import BackoffConfig, Mode
+
+PRESETS_PACKAGE = "eviback.train"
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a GRPO / EviBack training run. Defaults follow Search-R1 where they apply."""
+
+    # ---- model and data
+    model: str = field(default="smollm2-135m", metadata={"help": "policy: a built-in name, a local HF model "
+                       "directory, or a cached hub name"})
+    warm_start: bool = field(default=True, metadata={"help": "fine-tune the model on protocol trajectories first "
+                             "(`eviback sft`, cached); SmolLM2 never searches without it"})
+    warm_start_examples: int = field(default=200, metadata={"help": "warm-start training examples"})
+    data: str | None = field(default=None, metadata={"help": "data suite directory (default: the embedded one)"})
+    train_files: list[str] = field(default_factory=list, metadata={"help": "QA files to train on (default: the "
+                                   "suite's training files)"})
+    retriever: str | None = field(default=None, metadata={"help": "index directory or /retrieve URL (default: "
+                                  "BM25 over the suite's corpus)"})
+    # ---- rollouts
+    backend: str = field(default="vllm", metadata={"help": "generation engine: vllm or hf"})
+    group_size: int = field(default=5, metadata={"help": "G, rollouts per question (Search-R1: 5)"})
+    questions_per_step: int = field(default=4, metadata={"help": "questions per optimisation step"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (Search-R1: 1.0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    max_turns: int = field(default=2, metadata={"help": "searches allowed before the final no-search turn"})
+    max_turn_tokens: int = field(default=500, metadata={"help": "tokens generated per turn (Search-R1: 500)"})
+    max_obs_tokens: int = field(default=500, metadata={"help": "tokens of retrieved text per search"})
+    topk: int = field(default=3, metadata={"help": "passages per search (Search-R1: 3)"})
+    # ---- the algorithm
+    mode: str = field(default="eviback", metadata={"help": "grpo, dapo or eviback"})
+    lam: float = field(default=0.1, metadata={"help": "lambda: scale of teacher advantages, after normalisation"})
+    adv_eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std"})
+    teacher: str = field(default="two-stage", metadata={"help": "teacher policy: a built-in name "
+                         "(two-stage, single-prompt-dual-task) or a frozen policy file"})
+    teacher_backend: str = field(default="local", metadata={"help": "local (in-process model) or http "
+                                 "(an OpenAI-compatible endpoint)"})
+    teacher_model: str = field(default="smollm2-135m", metadata={"help": "the teacher's model: a local model for "
+                               "the local backend, the served model name for http"})
+    teacher_url: str | None = field(default=None, metadata={"help": "base URL of the OpenAI-compatible server"})
+    teacher_concurrency: int = field(default=8, metadata={"help": "concurrent teacher requests"})
+    # ---- optimisation (TRL GRPOTrainer)
+    learning_rate: float = field(default=1e-6, metadata={"help": "Search-R1: 1e-6"})
+    beta: float = field(default=0.001, metadata={"help": "KL coefficient (k3 estimator); Search-R1: 0.001"})
+    loss_type: str = field(default="grpo", metadata={"help": "TRL loss aggregation: grpo, dapo, dr_grpo, bnpo"})
+    max_steps: int = field(default=20, metadata={"help": "optimisation steps"})
+    save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps (resume point)"})
+    save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
+    dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype on CPU: bfloat16 or float32"})
+    seed: int = field(default=0, metadata={"help": "seed for sampling and data order"})
+    # ---- evaluation after training
+    eval_benchmarks: list[str] = field(default_factory=list, metadata={"help": "benchmarks to evaluate on after "
+                                       "training (held-out files of the suite); empty: none"})
+    eval_limit: int = field(default=50, metadata={"help": "questions per benchmark in the final evaluation"})
+
+    def __post_init__(self) -> None:
+        Mode(self.mode)  # raises with the valid names
+        if self.backend not in ("vllm", "hf"):
+            raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
+        if self.teacher_backend not in ("local", "http"):
+            raise ValueError(f"teacher_backend must be 'local' or 'http', got {self.teacher_backend!r}")
+        if self.teacher_backend == "http" and not self.teacher_url:
+            raise ValueError("teacher_backend=http needs teacher_url (e.g. http://127.0.0.1:8000/v1)")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {self.group_size}")
+        for name in ("questions_per_step", "max_steps", "save_steps", "max_turn_tokens", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_turns < 0:
+            raise ValueError(f"max_turns must be >= 0, got {self.max_turns}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+
+    @property
+    def backoff(self) -> BackoffConfig:
+        return BackoffConfig(mode=Mode(self.mode), lam=self.lam, eps=self.adv_eps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def preset_names() -> list[str]:
+    folder = resources.files(PRESETS_PACKAGE) / "presets"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    path = resources.files(PRESETS_PACKAGE) / "presets" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(preset_names())}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with the value parsed as YAML (so `lam=0.5`, `eval_benchmarks=[nq,popqa]` work)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not key=value")
+    key, value = text.split("=", 1)
+    key = key.strip().replace("-", "_")
+    if key not in _field_types():
+        raise ValueError(f"unknown setting {key!r}; see `eviback train --help-config`")
+    return key, yaml.safe_load(value) if value.strip() else None
+
+
+def resolve_config(
+    preset: str | None = None, config_file: str | Path | None = None, overrides: list[str] | None = None
+) -> TrainConfig:
+    values: dict[str, Any] = {}
+    if preset:
+        values.update(load_preset(preset))
+    if config_file:
+        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{config_file}: expected a mapping of settings")
+        values.update(loaded)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        values[key] = value
+    unknown = sorted(set(values) - set(_field_types()))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}; see `eviback train --help-config`")
+    return TrainConfig(**values)
+
+
+def describe_fields() -> str:
+    """One line per setting with its default and help (for `--help-config`)."""
+    lines = []
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name:22s} {default!r:>16}  {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""Training configuration (presets, files, overrides) and the run directory's resume rules."""
+
+import json
+
+import pytest
+import yaml
+
+from eviback.backoff import Mode
+from eviback.train.config import TrainConfig, describe_fields, preset_names, resolve_config
+from eviback.train.run import RunDir
+
+
+def test_presets_exist_and_resolve():
+    assert {"eviback", "grpo", "dapo", "eviback-single-prompt", "demo"} <= set(preset_names())
+    assert resolve_config("grpo").backoff.mode is Mode.GRPO
+    assert resolve_config("dapo").backoff.mode is Mode.DAPO
+    single = resolve_config("eviback-single-prompt")
+    assert single.teacher == "single-prompt-dual-task" and single.backoff.lam == 0.1
+
+
+def test_file_then_overrides_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lam: 0.5\ngroup_size: 3\n")
+    config = resolve_config("eviback", path, ["lam=1", "eval-benchmarks=[nq, popqa]"])
+    assert config.lam == 1 and config.group_size == 3 and config.eval_benchmarks == ["nq", "popqa"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["nonsense=1"], "unknown setting 'nonsense'"),
+        (["mode=ppo"], "'ppo' is not a valid Mode"),
+        (["group_size=1"], "group_size must be >= 2"),
+        (["teacher_backend=http"], "needs teacher_url"),
+        (["lam"], "is not key=value"),
+    ],
+)
+def test_bad_settings_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_config(None, None, overrides)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ValueError, match="presets: .*grpo"):
+        resolve_config("nope")
+
+
+def test_help_describes_every_field():
+    text = describe_fields()
+    assert "lam" in text and "after normalisation" in text
+
+
+def test_run_dir_refuses_silent_reuse_and_changed_config(tmp_path):
+    run = RunDir(tmp_path / "run")
+    assert run.start(TrainConfig(), resume=False) is None
+    with pytest.raises(FileExistsError, match="--resume"):
+        run.start(TrainConfig(), resume=False)
+    with pytest.raises(ValueError, match="lam: 0.1 -> 0.5"):
+        run.start(TrainConfig(lam=0.5), resume=True)
+    # extending a run is allowed
+    assert run.start(TrainConfig(max_steps=50), resume=True) is None
+    assert yaml.safe_load(run.config_path.read_text())["max_steps"] == 50
+
+
+def test_resume_drops_log_records_after_the_last_checkpoint(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.start(TrainConfig(), resume=False)
+    for step in (1, 2, 3):
+        run.log_metrics({"step": step, "loss": step})
+        run.log_groups([{"step": step, "question_id": "q"}])
+    with open(run.metrics_path, "a") as f:
+        f.write('{"step": 4, "lo')  # a line torn by SIGKILL
+    (run.checkpoints / "checkpoint-2").mkdir(parents=True)
+    (run.checkpoints / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (run.checkpoints / "checkpoint-3").mkdir()  # incomplete: no trainer_state.json
+    assert run.start(TrainConfig(), resume=True) == 2
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]
+    assert [r["step"] for r in run.read_groups()] == [1, 2]
+    assert all(json.loads(line) for line in run.metrics_path.read_text().splitlines())
