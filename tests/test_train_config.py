@@ -77,3 +77,22 @@ def test_resume_drops_log_records_after_the_last_checkpoint(tmp_path):
     assert [r["step"] for r in run.read_metrics()] == [1, 2]
     assert [r["step"] for r in run.read_groups()] == [1, 2]
     assert all(json.loads(line) for line in run.metrics_path.read_text().splitlines())
+
+
+def test_report_draws_curves_from_metrics(tmp_path):
+    from eviback.train.plots import write_report
+
+    runs = []
+    for name, em in (("grpo", 0.1), ("eviback", 0.2)):
+        run = RunDir(tmp_path / name)
+        run.start(TrainConfig(), resume=False)
+        for step in (1, 2, 3):
+            run.log_metrics({"step": step, "rollout/em": em * step, "backoff/all_zero_share": 0.8,
+                             "time/rollout": 3.0, "train/loss": 0.1})
+        runs.append(run.root)
+    single = write_report(runs[:1], runs[0])
+    assert (runs[0] / "plots" / "training_curves.png").stat().st_size > 1000
+    text = single.read_text()
+    assert "data:image/png;base64," in text and "<td>0.200</td>" in text  # mean EM of steps 0.1, 0.2, 0.3
+    both = write_report(runs, tmp_path / "cmp")
+    assert (tmp_path / "cmp" / "plots" / "comparison.png").exists() and "eviback" in both.read_text()

@@ -1,0 +1,129 @@
+"""Training curves and comparisons: PNG plots and a self-contained HTML report from a run's logs.
+
+    eviback train ... writes them at the end of a run (and they can be redrawn at any time):
+    python -m eviback.train.plots RUN_DIR [RUN_DIR ...] --out DIR
+
+One run gives `plots/training_curves.png` and `report.html`; several runs give a comparison figure with
+one line per run (e.g. plain GRPO vs EviBack vs DAPO from the same warm start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eviback.train.run import read_records
+
+# (panel title, [(metric key, label)])
+PANELS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("Answer quality (training rollouts)", [("rollout/em", "EM"), ("rollout/f1", "F1")]),
+    ("Groups", [("backoff/all_zero_share", "all-zero share"), ("backoff/fallback_share", "teacher-reward share"),
+                ("backoff/teacher_error_share", "teacher-error share")]),
+    ("Answering", [("rollout/valid_answer_rate", "valid answer"),
+                   ("rollout/forced_termination_rate", "forced termination")]),
+    ("Searching", [("rollout/avg_searches", "searches / rollout"),
+                   ("rollout/duplicate_query_rate", "duplicate-query rate")]),
+    ("Teacher verdicts", [("teacher/status_S", "S"), ("teacher/status_A", "A"), ("teacher/status_I", "I"),
+                          ("teacher/errors", "errors")]),
+    ("Step time (s)", [("time/rollout", "rollout"), ("time/retrieval", "retrieval"),
+                       ("time/teacher", "teacher"), ("time/update", "update")]),
+    ("Optimisation", [("train/loss", "loss"), ("train/kl", "KL"), ("train/grad_norm", "grad norm")]),
+]
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        if r.get(key) is not None:
+            xs.append(int(r["step"]))
+            ys.append(float(r[key]))
+    return xs, ys
+
+
+def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
+    """Draw every panel; with several runs, each run is one colour. Returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, m) for t, m in PANELS if any(_series(rs, k)[0] for rs in runs.values() for k, _ in m)]
+    cols = 2
+    rows = max(1, (len(panels) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, (title, metrics) in zip(axes.flat, panels, strict=False):
+        for run_index, (run_name, records) in enumerate(runs.items()):
+            for metric_index, (key, label) in enumerate(metrics):
+                xs, ys = _series(records, key)
+                if not xs:
+                    continue
+                name = label if len(runs) == 1 else f"{run_name}: {label}"
+                color = f"C{metric_index}" if len(runs) == 1 else f"C{run_index}"
+                style = "-" if len(runs) == 1 else styles[metric_index % len(styles)]
+                ax.plot(xs, ys, style, color=color, marker="o", markersize=3, label=name)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _final_table(runs: dict[str, Sequence[dict[str, Any]]]) -> list[str]:
+    keys = [k for _, m in PANELS[:4] for k, _ in m]
+    head = "<tr><th>run</th><th>steps</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + "</tr>"
+    rows = [head]
+    for name, records in runs.items():
+        cells = []
+        for key in keys:
+            _, ys = _series(records, key)
+            cells.append(f"<td>{sum(ys) / len(ys):.3f}</td>" if ys else "<td></td>")
+        rows.append(f"<tr><td>{html.escape(name)}</td><td>{len(records)}</td>{''.join(cells)}</tr>")
+    return rows
+
+
+def write_report(run_dirs: Sequence[Path], out_dir: Path, extra_html: str = "") -> Path:
+    """Plots plus an HTML page (images inlined, so the file stands alone). Returns the HTML path."""
+    runs = {Path(d).name: read_records(Path(d) / "metrics.jsonl") for d in run_dirs}
+    png = plot_runs(runs, out_dir / "plots" / ("training_curves.png" if len(runs) == 1 else "comparison.png"))
+    image = base64.b64encode(png.read_bytes()).decode()
+    body = [
+        "<!doctype html><meta charset='utf-8'><title>eviback training report</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px}</style>",
+        f"<h1>Training report: {html.escape(', '.join(runs))}</h1>",
+        "<h2>Means over training steps</h2><table>", *_final_table(runs), "</table>",
+        f"<h2>Curves</h2><img style='max-width:100%' src='data:image/png;base64,{image}'>",
+        extra_html,
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.html"
+    path.write_text("\n".join(body), encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Plot training curves of one or more eviback runs.")
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, help="output directory (default: the single run's directory)")
+    args = parser.parse_args(argv)
+    out = args.out or (args.runs[0] if len(args.runs) == 1 else Path("comparison"))
+    print(json.dumps({"report": str(write_report(args.runs, out))}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
