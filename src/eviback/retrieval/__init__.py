@@ -1,7 +1,35 @@
 """Retrieval: BM25 and dense indexes, the Search-R1-compatible `/retrieve` service and its client.
 
-All of them implement :class:`eviback.retrieval.base.Retriever`."""
+All of them implement :class:`eviback.retrieval.base.Retriever` (batched `search(queries, topk)` and
+`close()`). Get one with :func:`load_retriever` (an index directory or a service URL) or
+:func:`suite_retriever` (a data suite's corpus, indexed once and cached). Heavy libraries (bm25s, FAISS,
+sentence-transformers, FastAPI, httpx) are imported only by the parts that use them.
+"""
 
 from eviback.retrieval.base import Retriever
+from eviback.retrieval.config import BM25Config, ClientConfig, DenseConfig, IndexKind, ServerConfig
+from eviback.retrieval.index import (
+    IndexMismatchError,
+    Manifest,
+    build_index,
+    load_index,
+    load_retriever,
+    read_manifest,
+    suite_retriever,
+)
 
-__all__ = ["Retriever"]
+__all__ = [
+    "BM25Config",
+    "ClientConfig",
+    "DenseConfig",
+    "IndexKind",
+    "IndexMismatchError",
+    "Manifest",
+    "Retriever",
+    "ServerConfig",
+    "build_index",
+    "load_index",
+    "load_retriever",
+    "read_manifest",
+    "suite_retriever",
+]

