@@ -1,0 +1,55 @@
+"""Serve an index over HTTP as a Search-R1-compatible `/retrieve` service (FastAPI + uvicorn).
+
+  eviback serve INDEX_DIR                       http://127.0.0.1:8000/retrieve
+  eviback serve INDEX_DIR --host 0.0.0.0 --port 8001
+  eviback serve                                 the embedded suite's corpus (BM25, built once and cached)
+  eviback serve --suite DATA_DIR --kind dense   a data suite's corpus, dense
+
+  curl -s localhost:8000/retrieve -d '{"queries": ["who wrote hamlet"], "topk": 3, "return_scores": true}'
+
+Clients: `eviback.retrieval.load_retriever("http://127.0.0.1:8000")`, or Search-R1's own rollout code.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "serve an index as a Search-R1-compatible /retrieve HTTP service"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback.retrieval.config import IndexKind, ServerConfig, add_config_arguments
+
+    parser.add_argument("index", nargs="?", help="index directory (default: the data suite's corpus, see --suite)")
+    parser.add_argument("--suite", help="data suite directory whose corpus to serve when no index is given "
+                                        "(default: the embedded suite)")
+    parser.add_argument("--kind", choices=[k.value for k in IndexKind], default="bm25",
+                        help="index kind to build for --suite (default: bm25)")
+    add_config_arguments(parser.add_argument_group("service"), ServerConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from eviback.data import load_suite
+    from eviback.retrieval import ServerConfig, load_index, read_manifest, suite_retriever
+    from eviback.retrieval.config import config_from_arguments
+    from eviback.retrieval.index import suite_index_dir
+    from eviback.retrieval.server import serve
+    from eviback.types import to_dict
+
+    config = config_from_arguments(ServerConfig, args)
+    if args.index:
+        if args.suite:
+            raise ValueError("give an index directory or --suite, not both")
+        directory = args.index
+        retriever = load_index(directory)
+    else:
+        suite = load_suite(args.suite)
+        retriever = suite_retriever(suite, args.kind)
+        directory, _ = suite_index_dir(suite, args.kind)
+    manifest = read_manifest(directory)
+    print(f"{manifest.kind} index {directory}: {manifest.passages} passages from {manifest.corpus_path}", flush=True)
+    try:
+        serve(retriever, config, info=to_dict(manifest))
+    finally:
+        retriever.close()
+    return 0
