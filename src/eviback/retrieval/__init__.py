@@ -18,6 +18,16 @@ from eviback.retrieval.index import (
     suite_retriever,
 )
 
+
+def __getattr__(name: str):
+    # The client needs httpx; import it only when asked for.
+    if name in ("RetrievalClient", "RetrievalError"):
+        from eviback.retrieval import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'eviback.retrieval' has no attribute {name!r}")
+
+
 __all__ = [
     "BM25Config",
     "ClientConfig",
@@ -25,6 +35,8 @@ __all__ = [
     "IndexKind",
     "IndexMismatchError",
     "Manifest",
+    "RetrievalClient",
+    "RetrievalError",
     "Retriever",
     "ServerConfig",
     "build_index",

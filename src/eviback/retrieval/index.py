@@ -17,6 +17,7 @@ otherwise: the index would return passages that are no longer the corpus's.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -119,8 +120,8 @@ def build_index(
 
     An `out` that already holds an index of the same corpus content and parameters is left as it is. One
     built from another corpus or with other parameters is refused unless `force` (then rebuilt). Two
-    processes building the same `out` at once are serialised by a lock file (`lock`, default
-    `<out>.lock` beside it)."""
+    processes building the same `out` at once are serialised by a lock file (`lock`, default: one in
+    `cache_dir()/locks` named after `out`)."""
     kind = IndexKind(kind)
     corpus = Path(corpus)
     if not corpus.is_file():
@@ -128,7 +129,9 @@ def build_index(
     corpus = corpus.resolve()
     out = Path(out)
     params = _params(kind, bm25, dense)
-    lock_path = Path(lock) if lock is not None else out.with_name(out.name + ".lock")
+    if lock is None:  # keyed by the absolute output path; kept in the cache, not beside the user's files
+        lock = cache_dir() / "locks" / f"index-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}.lock"
+    lock_path = Path(lock)
     with file_lock(lock_path):
         sha = file_sha256(corpus)
         if (out / MANIFEST_FILE).exists():
