@@ -190,6 +190,12 @@ def test_bad_corpora_and_missing_indexes_say_what_to_do(tmp_path):
         load_retriever(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="not found"):
         build_index(tmp_path / "missing.jsonl", tmp_path / "i3", progress=False)
+    # an existing directory that is not an index is never replaced, even with --force
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an index directory"):
+        build_index(write_corpus(tmp_path / "ok.jsonl"), tmp_path / "notes", force=True, progress=False)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
 
 
 def test_suite_retriever_builds_once_into_the_cache(tmp_path, monkeypatch):

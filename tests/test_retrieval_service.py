@@ -264,3 +264,15 @@ def test_client_times_out_on_a_silent_server():
         client.search(["who wrote hamlet"])
     assert 1.0 <= time.monotonic() - started < 5
     listener.close()
+
+
+def test_serve_on_a_taken_port_says_so(index):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "eviback.cli", "serve", str(index), "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -13,6 +13,7 @@ Clients: `eviback.retrieval.load_retriever("http://127.0.0.1:8000")`, or Search-
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "serve an index as a Search-R1-compatible /retrieve HTTP service"
 
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{manifest.kind} index {directory}: {manifest.passages} passages from {manifest.corpus_path}", flush=True)
     try:
         serve(retriever, config, info=to_dict(manifest))
+    except OSError as e:  # the port is taken, or the address is not this machine's
+        print(f"eviback serve: error: {e}", file=sys.stderr)
+        return 2
     finally:
         retriever.close()
     return 0

@@ -134,6 +134,9 @@ def build_index(
     lock_path = Path(lock)
     with file_lock(lock_path):
         sha = file_sha256(corpus)
+        if out.exists() and not (out / MANIFEST_FILE).exists() and (not out.is_dir() or any(out.iterdir())):
+            # A rebuild replaces `out` wholesale: never do that to something that is not an index.
+            raise FileExistsError(f"{out} exists and is not an index directory: choose another --out")
         if (out / MANIFEST_FILE).exists():
             existing = read_manifest(out)
             same = (existing.kind, existing.corpus_sha256, dict(existing.params)) == (kind, sha, params)

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -292,16 +293,31 @@ def serve(retriever: Retriever, config: ServerConfig | None = None, info: Mappin
     # on a BM25 search that takes 0.1 ms. This process is the service, so a short interval is cheap.
     sys.setswitchinterval(0.0005)
     app = create_app(retriever, config, info)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5))
+    listener = _listen(config.host, config.port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
 
     async def run() -> None:
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:  # print the real port (--port 0 asks for a free one)
-            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            host, port = listener.getsockname()[:2]
             print(f"serving on http://{host}:{port}/retrieve", flush=True)
         await task
 
     asyncio.run(run())
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound listening socket, or an OSError that says what to do (uvicorn would exit with a traceback)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind at once after a restart
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port, or stop what is "
+                      "using it") from None
+    listener.listen(2048)
+    return listener
