@@ -161,7 +161,8 @@ class Verdict:
     `status` is the final status after the gate (Stage B may lower S/A to I, never raise I);
     `stage_a_status` is Stage A's own. `answer` is the refined answer (the actor's answer when Stage B did
     not run). `error` is set (and `status` is None) when the teacher failed: such a verdict is a
-    `teacher_error`, never a score of 0."""
+    `teacher_error`, never a score of 0. The token counts are those of the replies used (cached or not);
+    `calls` are the backend calls actually made (0 when every stage came from the cache)."""
 
     status: Status | None
     stage_a_status: Status | None = None
@@ -176,6 +177,8 @@ class Verdict:
     cache_hits: int = 0
     latency_s: float = 0.0
     rationale: str = ""
+    retries: int = 0  # backend calls repeated after a transient failure or a malformed reply
+    schema_violations: int = 0  # replies that did not parse into the stage's output schema
 
     @property
     def teacher_error(self) -> bool:

@@ -1,0 +1,70 @@
+"""The evidence-constrained teacher (EVIBACK.md section 4).
+
+- `policy`: teacher policies as typed workflows and frozen, content-hashed artifacts; the built-ins.
+- `workflow`: the per-rollout logic: gold-free views, request building, reply parsing, gate, reward.
+- `chat`: requests, replies and the backend contract; `openai_http` and `local`: the backends.
+- `cache`: the reply cache; `judge`: batch judging with concurrency, retries and accounting.
+- `probes`: rollouts with known evidence sufficiency for measuring a teacher; `fakes`: test doubles;
+  `vllm_server`: a local OpenAI-compatible server.
+"""
+
+from eviback.teacher.cache import MemoryCache, ReplyCache, SqliteCache
+from eviback.teacher.chat import (
+    ChatMessage,
+    ChatReply,
+    ChatRequest,
+    PermanentError,
+    ReplySchema,
+    SchemaViolation,
+    TeacherCallError,
+    TeacherClient,
+    TransientError,
+)
+from eviback.teacher.judge import (
+    JudgeConfig,
+    JudgedRollout,
+    JudgeSummary,
+    RetryConfig,
+    StageStats,
+    Teacher,
+    TeacherStats,
+    read_trajectories,
+    summarize,
+)
+from eviback.teacher.openai_http import HttpBackendConfig, OpenAIChatClient, StructuredOutput
+from eviback.teacher.policy import (
+    Decoding,
+    Input,
+    OutputField,
+    PolicyArtifact,
+    PolicyError,
+    RewardWeights,
+    StageSpec,
+    TeacherPolicy,
+    builtin_policy_names,
+    freeze_policy,
+    load_policy,
+    policy_from_json,
+    read_artifact,
+)
+from eviback.teacher.workflow import (
+    BlindView,
+    GoldView,
+    blind_view,
+    build_blind_request,
+    build_gold_aware_request,
+    hybrid_reward,
+    run_workflow,
+    stage_request,
+)
+
+__all__ = [
+    "BlindView", "ChatMessage", "ChatReply", "ChatRequest", "Decoding", "GoldView", "HttpBackendConfig", "Input",
+    "JudgeConfig", "JudgeSummary", "JudgedRollout", "MemoryCache", "OpenAIChatClient", "OutputField",
+    "PermanentError", "PolicyArtifact", "PolicyError", "ReplyCache", "ReplySchema", "RetryConfig",
+    "RewardWeights", "SchemaViolation", "SqliteCache", "StageSpec", "StageStats", "StructuredOutput", "Teacher",
+    "TeacherCallError", "TeacherClient", "TeacherPolicy", "TeacherStats", "TransientError", "blind_view",
+    "build_blind_request", "build_gold_aware_request", "builtin_policy_names", "freeze_policy", "hybrid_reward",
+    "load_policy", "policy_from_json", "read_artifact", "read_trajectories", "run_workflow", "stage_request",
+    "summarize",
+]

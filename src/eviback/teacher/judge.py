@@ -1,0 +1,334 @@
+"""Judging rollouts in batches: bounded concurrency, retries with backoff, the cache, and cost accounting.
+
+The entry point for training and E2E-APE is :class:`Teacher`::
+
+    teacher = Teacher(load_policy("two-stage"), OpenAIChatClient(HttpBackendConfig(base_url=...)),
+                      JudgeConfig(concurrency=8), cache=SqliteCache(path))
+    verdicts = teacher.judge(trajectories)      # one Verdict per trajectory, same order
+    teacher.stats()                              # calls, tokens, latency, cache hits, errors per stage
+
+Contract of :meth:`Teacher.judge`: `len(verdicts) == len(trajectories)`, in order; it never raises for one
+failed rollout: a call that still fails after its retries yields a verdict with `error` set (a
+`teacher_error`), never a silent 0. The policy need not be frozen (E2E-APE evaluates candidates as plain
+:class:`TeacherPolicy` objects); its content-hash version keys the cache either way.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from eviback.data import DataError, read_jsonl
+from eviback.teacher.cache import ReplyCache
+from eviback.teacher.chat import ChatRequest, SchemaViolation, TeacherCallError, TeacherClient
+from eviback.teacher.policy import TeacherPolicy
+from eviback.teacher.workflow import StageOutcome, parse_reply, run_workflow
+from eviback.types import Group, Status, Trajectory, Verdict, from_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """How a failed stage call is retried (transient errors and malformed replies; not permanent errors)."""
+
+    max_attempts: int = 3  # attempts per stage call, the first included
+    backoff_s: float = 0.5  # wait before the 2nd attempt; doubled (`backoff_factor`) for each next one
+    backoff_factor: float = 2.0
+    max_backoff_s: float = 8.0  # cap of one wait
+    jitter: float = 0.25  # +- fraction of random jitter, so concurrent retries do not stampede a server
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts={self.max_attempts} must be >= 1 (1 means no retry)")
+        if self.backoff_s < 0 or self.backoff_factor < 1 or self.max_backoff_s < 0:
+            raise ValueError("backoff_s and max_backoff_s must be >= 0 and backoff_factor >= 1")
+
+    def wait_s(self, attempt: int, rng: random.Random) -> float:
+        """The wait after failed attempt number `attempt` (1-based)."""
+        base = min(self.max_backoff_s, self.backoff_s * self.backoff_factor ** (attempt - 1))
+        return max(0.0, base * (1 + self.jitter * (2 * rng.random() - 1)))
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """How rollouts are judged in a batch."""
+
+    concurrency: int = 8  # rollouts judged at once (each runs its stages in order); bound on open calls
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency={self.concurrency} must be >= 1")
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """Accounting of one stage (or of all stages, in `TeacherStats.total`).
+
+    `requests` = stage requests the workflow made; `cache_hits` of them were served from the cache; `calls`
+    = backend calls actually made (retries included); tokens are those of the replies used, cached or not;
+    `paid_*_tokens` only those of replies fetched from the backend in this process; `latency_s` sums the
+    backend calls; `errors` = requests that ended as teacher_error."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    calls: int = 0
+    retries: int = 0
+    schema_violations: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    paid_prompt_tokens: int = 0
+    paid_completion_tokens: int = 0
+    latency_s: float = 0.0
+
+    def __add__(self, other: StageStats) -> StageStats:
+        return StageStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class TeacherStats:
+    by_stage: Mapping[str, StageStats]
+
+    @property
+    def total(self) -> StageStats:
+        total = StageStats()
+        for stats in self.by_stage.values():
+            total = total + stats
+        return total
+
+
+class Teacher:
+    """Judges rollouts with one policy on one backend. Thread-safe; reusable across training steps."""
+
+    def __init__(
+        self,
+        policy: TeacherPolicy,
+        client: TeacherClient,
+        config: JudgeConfig = JudgeConfig(),
+        *,
+        cache: ReplyCache | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.policy = policy
+        self.client = client
+        self.config = config
+        self.cache = cache
+        self._stats: dict[str, StageStats] = collections.defaultdict(StageStats)
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._sleep = time.sleep  # replaced in tests to keep backoff instant
+
+    # ----------------------------------------------------------------------------------------------
+
+    def judge(self, trajectories: Sequence[Trajectory], *, sample_index: int = 0) -> list[Verdict]:
+        """Verdicts for `trajectories`, in order; `sample_index` selects the teacher sample (for repeated
+        sampling: sample k of the same request is cached separately and, where seeded, seeded k)."""
+        trajectories = list(trajectories)
+        if not trajectories:
+            return []
+        workers = min(self.config.concurrency, len(trajectories))
+        if workers == 1:
+            return [self.judge_one(t, sample_index=sample_index) for t in trajectories]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="teacher") as pool:
+            return list(pool.map(lambda t: self.judge_one(t, sample_index=sample_index), trajectories))
+
+    def judge_groups(self, groups: Sequence[Group], *, sample_index: int = 0) -> list[tuple[Verdict, ...]]:
+        """Verdicts per group: all rollouts of all groups are judged concurrently, as one batch."""
+        flat = [t for g in groups for t in g.trajectories]
+        verdicts = iter(self.judge(flat, sample_index=sample_index))
+        return [tuple(next(verdicts) for _ in g.trajectories) for g in groups]
+
+    def judge_one(self, trajectory: Trajectory, *, sample_index: int = 0) -> Verdict:
+        return run_workflow(self.policy, trajectory, self._call_stage, sample_index)
+
+    def stats(self) -> TeacherStats:
+        with self._lock:
+            return TeacherStats(by_stage=dict(self._stats))
+
+    def reset_stats(self) -> TeacherStats:
+        """The stats so far, and start counting afresh (e.g. per training step)."""
+        with self._lock:
+            snapshot = TeacherStats(by_stage=dict(self._stats))
+            self._stats.clear()
+            return snapshot
+
+    def close(self) -> None:
+        self.client.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self) -> Teacher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _call_stage(self, request: ChatRequest) -> StageOutcome:
+        """One stage request: cache, then attempts with backoff; never raises a TeacherCallError."""
+        outcome = self._attempts(request)
+        stats = StageStats(
+            requests=1, cache_hits=int(outcome.cache_hit), calls=outcome.calls, retries=outcome.retries,
+            schema_violations=outcome.schema_violations, errors=int(outcome.error is not None),
+            prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
+            paid_prompt_tokens=0 if outcome.cache_hit else outcome.prompt_tokens,
+            paid_completion_tokens=0 if outcome.cache_hit else outcome.completion_tokens,
+            latency_s=outcome.latency_s,
+        )
+        with self._lock:
+            self._stats[request.stage] = self._stats[request.stage] + stats
+        return outcome
+
+    def _attempts(self, request: ChatRequest) -> StageOutcome:
+        calls = retries = violations = 0
+        latency = 0.0
+        key = None
+        try:
+            key = request.cache_key(self.policy.version, self.client.backend_id)
+            if self.cache is not None and (cached := self.cache.get(key)) is not None:
+                try:
+                    output = parse_reply(cached.text, request.schema)
+                    return StageOutcome(output=output, cache_hit=True, prompt_tokens=cached.prompt_tokens,
+                                        completion_tokens=cached.completion_tokens)
+                except SchemaViolation:
+                    pass  # a parser change made an old entry unusable: ask the backend again
+        except TeacherCallError as e:  # e.g. the backend could not even name its model
+            return StageOutcome(output=None, error=str(e))
+        error = "no attempt made"
+        for attempt in range(1, self.config.retry.max_attempts + 1):
+            if attempt > 1:
+                retries += 1
+                self._sleep(self.config.retry.wait_s(attempt - 1, self._rng))
+            calls += 1
+            start = time.perf_counter()
+            try:
+                reply = self.client.complete(request)
+                latency += time.perf_counter() - start
+                output = parse_reply(reply.text, request.schema)
+            except SchemaViolation as e:
+                violations += 1
+                error = f"schema violation: {e}"
+                continue
+            except TeacherCallError as e:
+                latency += time.perf_counter() - start
+                error = str(e)
+                if not e.retryable:
+                    break
+                continue
+            if self.cache is not None and key is not None:
+                self.cache.put(key, reply, stage=request.stage, policy_version=self.policy.version)
+            return StageOutcome(output=output, calls=calls, prompt_tokens=reply.prompt_tokens,
+                                completion_tokens=reply.completion_tokens, latency_s=latency, retries=retries,
+                                schema_violations=violations)
+        log.debug("stage %s failed after %d call(s): %s", request.stage, calls, error)
+        return StageOutcome(output=None, error=f"{error} (after {calls} call(s))", calls=calls,
+                            latency_s=latency, retries=retries, schema_violations=violations)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dumps in, verdicts and a summary out (`eviback judge`)
+
+
+@dataclass(frozen=True)
+class JudgedRollout:
+    """One line of a verdicts JSONL: which rollout, which teacher sample, and the verdict."""
+
+    question_id: str
+    sample_index: int  # the rollout's position in its group
+    teacher_sample: int
+    verdict: Verdict
+
+
+def read_trajectories(path: str | Path, limit: int | None = None) -> list[Trajectory]:
+    """Trajectories from a JSONL dump: each line a trajectory (`to_dict(Trajectory)`) or an object with a
+    `trajectory` key (evaluation and training dumps). Malformed lines raise DataError naming the line."""
+    out: list[Trajectory] = []
+    for number, obj in enumerate(read_jsonl(path), start=1):
+        if limit is not None and len(out) >= limit:
+            break
+        if isinstance(obj, dict) and isinstance(obj.get("trajectory"), dict):
+            obj = obj["trajectory"]
+        if not isinstance(obj, dict) or "question" not in obj or "turns" not in obj:
+            raise DataError(path, number, "expected a trajectory object (with 'question' and 'turns') or an "
+                                          "object with a 'trajectory' key")
+        try:
+            out.append(from_dict(Trajectory, obj))
+        except (ValueError, TypeError, KeyError) as e:
+            raise DataError(path, number, f"malformed trajectory: {e}") from None
+    return out
+
+
+_REWARD_BINS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class JudgeSummary:
+    """What `eviback judge` reports for a batch of verdicts.
+
+    `lowered` counts Stage B demotions (`S->I`, `A->I`); `reward_histogram` buckets the rewards of the
+    verdicts without error: `0` is exactly 0, `(0,0.25]` ... `(0.75,1]`."""
+
+    policy: str
+    policy_version: str
+    backend: str
+    rollouts: int
+    errors: int
+    status: Mapping[str, int]  # final status counts, plus "error"
+    stage_a_status: Mapping[str, int]
+    stage_b_runs: int
+    stage_b_run_rate: float
+    lowered: Mapping[str, int]
+    reward_mean: float | None
+    reward_histogram: Mapping[str, int]
+    stages: Mapping[str, StageStats]
+    total: StageStats
+    wall_s: float
+    rollouts_per_s: float
+    error_examples: tuple[str, ...] = ()
+
+
+def summarize(
+    verdicts: Sequence[Verdict], policy: TeacherPolicy, stats: TeacherStats, *, backend: str, wall_s: float
+) -> JudgeSummary:
+    ok = [v for v in verdicts if not v.teacher_error]
+    status = collections.Counter(v.status.value for v in ok if v.status is not None)
+    status["error"] = len(verdicts) - len(ok)
+    stage_a = collections.Counter(v.stage_a_status.value for v in verdicts if v.stage_a_status is not None)
+    lowered = collections.Counter(
+        f"{v.stage_a_status.value}->I" for v in ok
+        if v.stage_a_status not in (None, Status.INSUFFICIENT) and v.status is Status.INSUFFICIENT
+    )
+    rewards = [v.reward for v in ok if v.reward is not None]
+    histogram = {"0": sum(r == 0 for r in rewards)}
+    for low, high in zip(_REWARD_BINS, _REWARD_BINS[1:], strict=False):
+        histogram[f"({low:g},{high:g}]"] = sum(low < r <= high for r in rewards)
+    runs = sum(v.stage_b_ran for v in verdicts)
+    examples = tuple(dict.fromkeys(v.error for v in verdicts if v.error))[:5]
+    return JudgeSummary(
+        policy=policy.name, policy_version=policy.version, backend=backend, rollouts=len(verdicts),
+        errors=len(verdicts) - len(ok),
+        status={k: status.get(k, 0) for k in ("S", "A", "I", "error")},
+        stage_a_status={k: stage_a.get(k, 0) for k in ("S", "A", "I")},
+        stage_b_runs=runs, stage_b_run_rate=runs / len(verdicts) if verdicts else 0.0,
+        lowered={k: lowered.get(k, 0) for k in ("S->I", "A->I")},
+        reward_mean=sum(rewards) / len(rewards) if rewards else None, reward_histogram=histogram,
+        stages=dict(stats.by_stage), total=stats.total, wall_s=wall_s,
+        rollouts_per_s=len(verdicts) / wall_s if wall_s > 0 else 0.0, error_examples=examples,
+    )
+
+
+def judged_rollouts(
+    trajectories: Iterable[Trajectory], verdicts: Iterable[Verdict], teacher_sample: int = 0
+) -> list[JudgedRollout]:
+    return [JudgedRollout(t.question.id, t.sample_index, teacher_sample, v)
+            for t, v in zip(trajectories, verdicts, strict=True)]

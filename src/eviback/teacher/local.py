@@ -1,0 +1,188 @@
+"""The local in-process backend: a transformers causal LM answering stage requests without a server.
+
+The reply is built field by field inside a fixed JSON skeleton, so it always parses:
+
+- a status field is chosen by comparing the model's likelihood of each allowed label as the continuation
+  of `{"status": "` (the label plus its closing quote): it can never be malformed. At temperature 0 the most
+  likely label wins; above 0 a label is drawn from the renormalised label distribution (seeded);
+- a free-text field (answer, rationale) is decoded greedily (or sampled above temperature 0) until its
+  closing quote, a newline or the token budget.
+
+The prompt is prefilled once; every label and field continues from the same KV cache. Calls are serialised
+with a lock (one model, one forward at a time); the judge's thread pool still overlaps them with other work.
+This is the teacher of `eviback demo`: no server needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from eviback.teacher.chat import ChatReply, ChatRequest, PermanentError
+from eviback.teacher.policy import OutputField
+
+
+@dataclass(frozen=True)
+class LocalBackendConfig:
+    """Which model the local backend loads."""
+
+    model: str = "smollm2-135m"  # a bundled name or a local Hugging Face checkpoint directory
+    dtype: str = "bfloat16"  # bfloat16 is ~2x float32 on CPUs with avx512_bf16
+    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+
+class LocalClient:
+    """A :class:`~eviback.teacher.chat.TeacherClient` on an in-process transformers model.
+
+    Pass `model` and `tokenizer` to share an already loaded model (e.g. with a trainer); otherwise they are
+    loaded from `config`."""
+
+    def __init__(self, config: LocalBackendConfig = LocalBackendConfig(), *, model=None, tokenizer=None) -> None:  # noqa: ANN001
+        from eviback.policy import load_model, load_tokenizer, set_threads
+
+        self.config = config
+        set_threads(config.threads)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model, config.dtype)
+        self.model = model if model is not None else load_model(config.model, config.dtype, config.threads)
+        self._lock = threading.Lock()
+
+    @property
+    def backend_id(self) -> str:
+        return f"local:{self.config.model}:{self.config.dtype}"
+
+    def close(self) -> None:
+        pass
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def complete(self, request: ChatRequest) -> ChatReply:
+        start = time.perf_counter()
+        try:
+            return self._complete(request, start)
+        except (RuntimeError, ValueError, IndexError) as e:
+            # e.g. a prompt longer than the model's context: this request cannot succeed as it is
+            raise PermanentError(f"local model failed on this request: {type(e).__name__}: {e}") from None
+
+    def _complete(self, request: ChatRequest, start: float) -> ChatReply:
+        import torch
+
+        with self._lock, torch.inference_mode():
+            generator = torch.Generator().manual_seed(self._seed(request))
+            state = _Continuation(self.model, self._prompt_ids(request))
+            prompt_tokens = len(state.ids)
+            values: dict[str, str] = {}
+            budget = request.decoding.max_tokens
+            for index, f in enumerate(request.schema.fields):
+                opener = ("{" if index == 0 else ", ") + json.dumps(f.value) + ': "'
+                state.extend(self._encode(opener))
+                if f is OutputField.STATUS:
+                    labels = [s.value for s in request.schema.statuses]
+                    choice = self._choose(state, labels, request.decoding.temperature, generator)
+                    values[f.value] = labels[choice]
+                    state.extend(self._encode(labels[choice] + '"'))
+                else:
+                    text, used = self._generate(state, budget, request.decoding.temperature, generator)
+                    budget = max(1, budget - used)
+                    values[f.value] = text
+                    state.extend(self._encode('"'))
+            completion_tokens = len(state.ids) - prompt_tokens
+        return ChatReply(text=json.dumps(values, ensure_ascii=False), prompt_tokens=prompt_tokens,
+                         completion_tokens=completion_tokens, latency_s=time.perf_counter() - start)
+
+    @staticmethod
+    def _seed(request: ChatRequest) -> int:
+        base = request.seed if request.seed is not None else request.sample_index
+        digest = hashlib.sha256(request.canonical_json().encode()).digest()
+        return (int.from_bytes(digest[:4], "little") + base) % (2**31)
+
+    def _choose(self, state: _Continuation, labels: list[str], temperature: float, generator) -> int:  # noqa: ANN001
+        import torch
+
+        scores = torch.tensor([state.logprob(self._encode(label + '"')) for label in labels])
+        if temperature == 0:
+            return int(scores.argmax())
+        probs = torch.softmax(scores / temperature, dim=0)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _generate(self, state: _Continuation, budget: int, temperature: float, generator) -> tuple[str, int]:  # noqa: ANN001
+        import torch
+
+        eos = self.tokenizer.eos_token_id
+        produced: list[int] = []
+        for _ in range(budget):
+            logits = state.next_logits().float()
+            if temperature == 0:
+                token = int(logits.argmax())
+            else:
+                token = int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator))
+            if token == eos:
+                break
+            text = self.tokenizer.decode(produced + [token])
+            cut = min((i for i in (text.find('"'), text.find("\n")) if i != -1), default=-1)
+            if cut != -1:
+                # The field ends at its closing quote (or a newline). The token holding it may carry other
+                # characters too: keep those by re-encoding them, drop the token itself.
+                text = text[:cut]
+                before = self.tokenizer.decode(produced)
+                if text.startswith(before) and len(text) > len(before):
+                    state.extend(self._encode(text[len(before):]))
+                return text.rstrip("\\").strip(), len(produced) + 1
+            produced.append(token)
+            state.extend([token])
+        return self.tokenizer.decode(produced).strip(), len(produced)
+
+
+class _Continuation:
+    """A token sequence with its KV cache, extendable, for scoring and greedy decoding."""
+
+    def __init__(self, model, prompt_ids: list[int]) -> None:  # noqa: ANN001
+        import torch
+
+        self.model = model
+        self.ids: list[int] = list(prompt_ids)
+        out = model(torch.tensor([self.ids]), use_cache=True)
+        self.cache = out.past_key_values
+        self._last_logits = out.logits[0, -1]
+        self._pending: list[int] = []  # appended ids not yet run through the model
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        self._pending.extend(ids)
+
+    def _flush(self) -> None:
+        import torch
+
+        if self._pending:
+            out = self.model(torch.tensor([self._pending]), past_key_values=self.cache, use_cache=True)
+            self.cache = out.past_key_values
+            self._last_logits = out.logits[0, -1]
+            self._pending = []
+
+    def next_logits(self):  # noqa: ANN201
+        self._flush()
+        return self._last_logits
+
+    def logprob(self, continuation: list[int]) -> float:
+        """Log-likelihood of `continuation` after the current sequence (the cache is left unchanged)."""
+        import torch
+
+        self._flush()
+        total = float(torch.log_softmax(self._last_logits.float(), -1)[continuation[0]])
+        if len(continuation) > 1:
+            out = self.model(torch.tensor([continuation[:-1]]), past_key_values=copy.deepcopy(self.cache),
+                             use_cache=True)
+            logprobs = torch.log_softmax(out.logits[0].float(), -1)
+            total += float(sum(logprobs[i, t] for i, t in enumerate(continuation[1:])))
+        return total

@@ -1,0 +1,349 @@
+"""Teacher policies: typed workflows, and their frozen, content-hashed artifacts.
+
+A :class:`TeacherPolicy` is data, not code: the stages of the workflow, what each stage sees, its prompts,
+its output schema, the gate that decides whether it runs, its decoding parameters, and the reward weights
+`v[S]`, `v[A]`, `v[I]`. The code that runs a policy (``workflow.py``) is the same for every policy, so a
+candidate proposed by E2E-APE is evaluated exactly like a built-in one.
+
+A policy's **version** is the SHA-256 of its canonical JSON: any change to a prompt, a gate or a weight is a
+new version. A policy is frozen by writing it once to a JSON artifact that records that version; loading an
+artifact whose content no longer hashes to its recorded version is refused. References may pin a version:
+``two-stage@3f2a9c1b`` or ``path/to/policy.json@3f2a9c1b`` (a prefix of at least 8 hex digits).
+
+The evidence boundary (EVIBACK.md section 4) in terms of this structure:
+
+- the first stage decides the status (it is "Stage A"); a policy is *boundary-compliant* when that stage
+  does not see the gold answers (:meth:`TeacherPolicy.boundary_violations`);
+- a later stage runs only when the status so far is one of its ``run_on`` statuses, which may never include
+  I; whatever it answers, it can only lower the status to I, never raise it (enforced in ``workflow.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from eviback.types import Status, from_dict, to_dict
+
+ARTIFACT_FORMAT = "eviback-teacher-policy"
+ARTIFACT_FORMAT_VERSION = 1
+MIN_VERSION_PREFIX = 8
+
+
+class PolicyError(ValueError):
+    """A policy is malformed, or an artifact failed its integrity check. The message names the fix."""
+
+
+class Input(enum.StrEnum):
+    """What a stage may see. Templates refer to them as `$question`, `$evidence`, `$answer`, `$gold`."""
+
+    QUESTION = "question"  # the question text (never its id or metadata)
+    EVIDENCE = "evidence"  # every passage the actor retrieved in this rollout, rendered as Search-R1 does
+    ANSWER = "answer"  # the actor's final answer, or a placeholder when it never answered
+    GOLD = "gold"  # the gold answers: crossing this into the status decision is reference leakage
+
+
+class OutputField(enum.StrEnum):
+    """The fields of a stage's JSON reply."""
+
+    STATUS = "status"  # one of the stage's `statuses` labels
+    ANSWER = "answer"  # the refined answer
+    RATIONALE = "rationale"  # free text, kept for inspection only; never scored
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Sampling parameters of one stage's LLM call."""
+
+    temperature: float = 0.0  # 0 = greedy; > 0 samples (teacher sample k gets seed + k when seed is set)
+    max_tokens: int = 64  # completion budget of the reply
+    top_p: float = 1.0
+    seed: int | None = None  # sent to the server only when set (some CPU servers reject per-request seeds)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise PolicyError(f"decoding.temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.max_tokens < 1:
+            raise PolicyError(f"decoding.max_tokens={self.max_tokens} must be >= 1")
+        if not 0 < self.top_p <= 1:
+            raise PolicyError(f"decoding.top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One LLM call of the workflow.
+
+    `user_template` (and `system_prompt`) are `string.Template` texts: `$question`, `$evidence`, `$answer`,
+    `$gold` are replaced by the inputs the stage `sees`; a literal dollar sign is `$$`. A template may only
+    use inputs the stage sees; this is checked when the policy is built."""
+
+    name: str
+    sees: tuple[Input, ...]
+    system_prompt: str
+    user_template: str
+    outputs: tuple[OutputField, ...]
+    statuses: tuple[Status, ...] = (Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS)
+    run_on: tuple[Status, ...] = ()  # gate: () for the first stage (always runs); else statuses it runs on
+    decoding: Decoding = field(default_factory=Decoding)
+
+    @property
+    def sees_gold(self) -> bool:
+        return Input.GOLD in self.sees
+
+    @property
+    def decides_status(self) -> bool:
+        return OutputField.STATUS in self.outputs
+
+    def placeholders(self) -> set[str]:
+        """The `$names` its templates use."""
+        names: set[str] = set()
+        for text in (self.system_prompt, self.user_template):
+            for match in string.Template.pattern.finditer(text):
+                name = match.group("named") or match.group("braced")
+                if name:
+                    names.add(name)
+                elif match.group("invalid") is not None:
+                    raise PolicyError(f"stage {self.name!r}: a lone '$' in a template; write '$$' for a dollar sign")
+        return names
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    """`v[s]` of the hybrid reward `r = v[s] * F1(refined answer, gold)` (EVIBACK.md section 4.4)."""
+
+    sufficient: float = 1.0
+    ambiguous: float = 0.5
+    insufficient: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.insufficient != 0.0:
+            raise PolicyError("weights.insufficient must be 0: an I rollout gets no reward (EVIBACK.md s.4.4)")
+        for name in ("sufficient", "ambiguous"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise PolicyError(f"weights.{name}={value} must be in [0, 1]")
+
+    def of(self, status: Status) -> float:
+        return {Status.SUFFICIENT: self.sufficient, Status.AMBIGUOUS: self.ambiguous,
+                Status.INSUFFICIENT: self.insufficient}[status]
+
+
+@dataclass(frozen=True)
+class TeacherPolicy:
+    """A complete teacher workflow. Build one freely (E2E-APE does); freeze it with :func:`freeze_policy`."""
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    weights: RewardWeights = field(default_factory=RewardWeights)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PolicyError(f"policy {self.name!r} has no stages")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise PolicyError(f"policy {self.name!r}: stage names must be unique, got {names}")
+        first = self.stages[0]
+        if not first.decides_status:
+            raise PolicyError(f"policy {self.name!r}: the first stage ({first.name!r}) must output 'status'")
+        if first.run_on:
+            raise PolicyError(f"policy {self.name!r}: the first stage always runs; set its run_on to []")
+        for stage in self.stages:
+            self._check_stage(stage, is_first=stage is first)
+
+    def _check_stage(self, stage: StageSpec, *, is_first: bool) -> None:
+        where = f"policy {self.name!r}, stage {stage.name!r}"
+        if not stage.outputs or len(set(stage.outputs)) != len(stage.outputs):
+            raise PolicyError(f"{where}: outputs must list each of status/answer/rationale at most once")
+        if not stage.sees:
+            raise PolicyError(f"{where}: a stage must see at least one input")
+        if stage.decides_status and not stage.statuses:
+            raise PolicyError(f"{where}: outputs 'status' but allows no statuses")
+        unknown = stage.placeholders() - {i.value for i in Input}
+        if unknown:
+            raise PolicyError(f"{where}: unknown template placeholders {sorted(unknown)}; "
+                              f"use only {', '.join('$' + i.value for i in Input)}")
+        unseen = stage.placeholders() - {i.value for i in stage.sees}
+        if unseen:
+            raise PolicyError(f"{where}: its template uses {sorted(unseen)} but the stage does not see them; "
+                              f"add them to 'sees' or remove them from the template")
+        if not is_first:
+            if not stage.run_on:
+                raise PolicyError(f"{where}: a later stage needs a gate; set run_on, e.g. ['S', 'A']")
+            if Status.INSUFFICIENT in stage.run_on:
+                raise PolicyError(f"{where}: run_on contains I, but an I verdict is final (the evidence "
+                                  f"boundary); remove I from run_on")
+
+    # ----------------------------------------------------------------------------------------------
+
+    def canonical_json(self) -> str:
+        """The bytes the version is computed from: sorted keys, no white space, UTF-8."""
+        return json.dumps(to_dict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    @property
+    def version(self) -> str:
+        """SHA-256 (hex) of the canonical content: the identity of the policy, frozen or not."""
+        return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
+
+    @property
+    def short_version(self) -> str:
+        return self.version[:12]
+
+    @property
+    def status_stage(self) -> StageSpec:
+        """"Stage A": the first stage, the one that decides the status."""
+        return self.stages[0]
+
+    def boundary_violations(self) -> tuple[str, ...]:
+        """Static reasons why gold could reach the status decision (empty: the policy is compliant).
+
+        The single-prompt dual-task baseline has one, by design: it is the leaky manual teacher."""
+        reasons = []
+        if self.status_stage.sees_gold:
+            reasons.append(f"stage {self.status_stage.name!r} decides the status and sees the gold answers")
+        return tuple(reasons)
+
+
+# --------------------------------------------------------------------------------------------------
+# Frozen artifacts
+
+
+@dataclass(frozen=True)
+class PolicyArtifact:
+    """A frozen policy as read from disk. `provenance` is free JSON (e.g. E2E-APE's gate report and split
+    hashes); it is covered by its own hash, checked on load like the policy."""
+
+    policy: TeacherPolicy
+    version: str
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+
+def _digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def artifact_json(policy: TeacherPolicy, provenance: Mapping[str, Any] | None = None) -> str:
+    """The text of a frozen artifact (deterministic: the same policy and provenance give the same bytes)."""
+    provenance = dict(provenance or {})
+    doc = {
+        "format": ARTIFACT_FORMAT,
+        "format_version": ARTIFACT_FORMAT_VERSION,
+        "name": policy.name,
+        "version": policy.version,
+        "provenance_sha256": _digest(provenance),
+        "policy": to_dict(policy),
+        "provenance": provenance,
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def freeze_policy(
+    policy: TeacherPolicy, path: str | os.PathLike, provenance: Mapping[str, Any] | None = None
+) -> Path:
+    """Write `policy` once as a frozen artifact at `path` and return the path.
+
+    Writing the identical artifact again is a no-op; a different artifact at an existing path is refused
+    (frozen files are never overwritten: choose a new path)."""
+    path = Path(path)
+    text = artifact_json(policy, provenance)
+    if path.exists():
+        if path.read_text(encoding="utf-8") == text:
+            return path
+        raise FileExistsError(f"{path} already holds a different frozen policy; frozen artifacts are "
+                              f"written once: write version {policy.short_version} to a new path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def parse_artifact(text: str, where: str = "<memory>") -> PolicyArtifact:
+    """Parse and verify a frozen artifact: its policy must hash to its recorded version."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PolicyError(f"{where}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != ARTIFACT_FORMAT:
+        raise PolicyError(f"{where}: not a frozen teacher policy (no \"format\": \"{ARTIFACT_FORMAT}\"); "
+                          f"freeze a policy with eviback.teacher.freeze_policy or `eviback judge --freeze`")
+    if doc.get("format_version") != ARTIFACT_FORMAT_VERSION:
+        raise PolicyError(f"{where}: artifact format_version {doc.get('format_version')!r} is not supported "
+                          f"(this eviback reads {ARTIFACT_FORMAT_VERSION})")
+    try:
+        policy = from_dict(TeacherPolicy, doc["policy"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise PolicyError(f"{where}: malformed policy: {e}") from None
+    recorded = str(doc.get("version", ""))
+    if policy.version != recorded:
+        raise PolicyError(
+            f"{where}: refused: the policy content hashes to {policy.short_version} but the file records "
+            f"version {recorded[:12]}; the frozen file was edited. Restore it, or freeze the edited policy "
+            f"as a new artifact (`eviback judge --freeze`), which gives it a new version")
+    provenance = doc.get("provenance") or {}
+    if _digest(provenance) != doc.get("provenance_sha256"):
+        raise PolicyError(f"{where}: refused: its provenance was edited after freezing (hash mismatch); "
+                          f"restore the file or freeze again")
+    return PolicyArtifact(policy=policy, version=recorded, provenance=provenance, path=where)
+
+
+def read_artifact(path: str | os.PathLike) -> PolicyArtifact:
+    return parse_artifact(Path(path).read_text(encoding="utf-8"), str(path))
+
+
+def builtin_policy_names() -> tuple[str, ...]:
+    folder = resources.files("eviback.teacher") / "policies"
+    return tuple(sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json")))
+
+
+def _builtin_text(name: str) -> str:
+    return (resources.files("eviback.teacher") / "policies" / f"{name}.json").read_text(encoding="utf-8")
+
+
+def load_policy(ref: str | os.PathLike, expected_version: str | None = None) -> TeacherPolicy:
+    """A policy by built-in name or frozen-file path, optionally pinned (`ref@version` or `expected_version`).
+
+    Raises :class:`PolicyError` when the file was edited after freezing or the version does not match."""
+    ref = str(ref)
+    if "@" in ref and expected_version is None:
+        ref, expected_version = ref.rsplit("@", 1)
+    if ref in builtin_policy_names():
+        artifact = parse_artifact(_builtin_text(ref), f"built-in policy {ref!r}")
+    elif Path(ref).exists():
+        artifact = read_artifact(ref)
+    else:
+        raise FileNotFoundError(f"no teacher policy {ref!r}: use a built-in name "
+                                f"({', '.join(builtin_policy_names())}) or the path of a frozen policy file")
+    if expected_version is not None:
+        expected_version = expected_version.strip().lower()
+        if len(expected_version) < MIN_VERSION_PREFIX:
+            raise PolicyError(f"version pin {expected_version!r} is too short; give at least "
+                              f"{MIN_VERSION_PREFIX} hex digits of the version")
+        if not artifact.version.startswith(expected_version):
+            raise PolicyError(f"{ref}: version {artifact.version[:12]} does not match the pinned "
+                              f"{expected_version}; the policy changed since it was pinned")
+    return artifact.policy
+
+
+def policy_from_json(text: str, where: str = "<memory>") -> TeacherPolicy:
+    """A policy from a frozen artifact or from a bare (draft) policy object, e.g. one being edited."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PolicyError(f"{where}: not JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(doc, dict) and doc.get("format") == ARTIFACT_FORMAT:
+        return parse_artifact(text, where).policy
+    try:
+        return from_dict(TeacherPolicy, doc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PolicyError(f"{where}: malformed policy: {e}") from None

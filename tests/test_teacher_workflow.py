@@ -1,0 +1,203 @@
+"""The per-rollout teacher logic: gate, I never overturned, reward, parsing, and the evidence boundary."""
+
+import inspect
+import json
+import random
+
+import pytest
+
+from eviback.teacher.chat import ReplySchema, SchemaViolation
+from eviback.teacher.fakes import ScriptedClient, default_reply
+from eviback.teacher.judge import JudgeConfig, Teacher
+from eviback.teacher.policy import OutputField, RewardWeights, load_policy
+from eviback.teacher.probes import build_probes
+from eviback.teacher.workflow import (
+    BlindView,
+    StageOutcome,
+    StageOutput,
+    blind_view,
+    build_blind_request,
+    gate_allows,
+    hybrid_reward,
+    lower_only,
+    parse_reply,
+    run_workflow,
+)
+from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
+
+S, I, A = Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS  # noqa: E741 - the method's labels
+TWO = load_policy("two-stage")
+SINGLE = load_policy("single-prompt-dual-task")
+
+
+def rollout(golds=("Paris",), answer="Lyon", passages=None):
+    passages = passages or (Passage("1", '"France"\nParis is the capital of France.'),)
+    question = Question("q1", "What is the capital of France?", tuple(golds), metadata={"note": golds[0]})
+    turns = (Turn("<search> capital of France </search>", Action(ActionKind.SEARCH, "capital of France"),
+                  passages, "<information>...</information>", True),
+             Turn(f"<answer> {answer} </answer>", Action(ActionKind.ANSWER, answer or "")))
+    return Trajectory(question, turns, answer, StopReason.ANSWERED)
+
+
+def scripted(stage_a, stage_b=("S", "Paris")):
+    """A caller returning fixed outputs per stage, recording which stages ran."""
+    ran = []
+
+    def call(request):
+        ran.append(request.stage)
+        if request.stage == "A":
+            return StageOutcome(StageOutput(status=Status(stage_a)), calls=1)
+        status, answer = stage_b
+        return StageOutcome(StageOutput(status=Status(status), answer=answer), calls=1)
+    return call, ran
+
+
+@pytest.mark.parametrize("stage_a, stage_b, final, ran_b, reward", [
+    ("S", ("S", "Paris"), S, True, 1.0),
+    ("A", ("S", "Paris"), A, True, 0.5),  # B cannot raise A to S
+    ("S", ("I", "Paris"), I, True, 0.0),  # B may lower S to I
+    ("A", ("I", "Paris"), I, True, 0.0),
+    ("I", ("S", "Paris"), I, False, 0.0),  # B never runs after I, so I is never overturned
+])
+def test_gate_and_status_rule(stage_a, stage_b, final, ran_b, reward):
+    call, ran = scripted(stage_a, stage_b)
+    verdict = run_workflow(TWO, rollout(), call)
+    assert verdict.status is final and verdict.stage_a_status is Status(stage_a)
+    assert verdict.stage_b_ran is ran_b and ran == (["A", "B"] if ran_b else ["A"])
+    assert verdict.reward == pytest.approx(reward)
+    assert verdict.answer == ("Paris" if ran_b else "Lyon")  # the actor's answer when B did not run
+    assert verdict.calls == len(ran) and verdict.policy_version == TWO.version
+
+
+def test_i_is_final_whatever_the_gate_or_the_stage_says():
+    later = TWO.stages[1]
+    for status in (I, None):
+        assert not gate_allows(later, status)
+    for proposed in (S, A, I, None):
+        assert lower_only(I, proposed) is I
+    assert lower_only(A, S) is A and lower_only(S, A) is S and lower_only(S, I) is I
+
+
+def test_hybrid_reward():
+    w = RewardWeights()
+    assert hybrid_reward(S, "Paris", ["Paris"], w) == 1.0
+    assert hybrid_reward(A, "Paris", ["Paris"], w) == 0.5
+    assert hybrid_reward(I, "Paris", ["Paris"], w) == 0.0
+    assert hybrid_reward(S, "the city of Paris", ["Paris"], w) == pytest.approx(0.5)  # F1 2*(1/3*1)/(4/3)
+    assert hybrid_reward(S, None, ["Paris"], w) == 0.0
+    assert hybrid_reward(A, "Paris France", ["Paris"], RewardWeights(ambiguous=0.2)) == pytest.approx(0.2 * 2 / 3)
+
+
+def test_a_failed_stage_is_a_teacher_error_not_a_zero():
+    def call(request):
+        if request.stage == "A":
+            return StageOutcome(StageOutput(status=S), calls=1)
+        return StageOutcome(None, error="HTTP 500", calls=3, retries=2)
+    verdict = run_workflow(TWO, rollout(), call)
+    assert verdict.teacher_error and verdict.status is None and verdict.reward is None
+    assert "stage 'B'" in verdict.error and verdict.calls == 4 and verdict.retries == 2
+    assert verdict.stage_a_status is S
+
+
+def test_single_prompt_baseline_outputs_status_and_answer_at_once():
+    def call(request):
+        assert request.stage == "judge"
+        return StageOutcome(StageOutput(status=A, answer="Paris"), calls=1)
+    verdict = run_workflow(SINGLE, rollout(), call)
+    assert (verdict.status, verdict.answer, verdict.reward, verdict.stage_b_ran) == (A, "Paris", 0.5, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+
+STATUS_ONLY = ReplySchema((OutputField.STATUS,), (S, A, I))
+STATUS_ANSWER = ReplySchema((OutputField.STATUS, OutputField.ANSWER), (S, I))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"status": "S"}', S),
+    ('```json\n{"status": "A"}\n```', A),
+    ('Sure! Here it is: {"status": "I"} Hope this helps {"x": 1}', I),
+    ('{"status": "sufficient"}', S),
+    ("S", S),
+    ('"I".', I),
+    ("Status: A", A),
+    ("Insufficient", I),
+])
+def test_parse_accepts_json_anywhere_and_bare_labels(text, expected):
+    assert parse_reply(text, STATUS_ONLY).status is expected
+
+
+@pytest.mark.parametrize("schema, text", [
+    (STATUS_ONLY, "The evidence seems fine to me."),
+    (STATUS_ONLY, '{"status": "X"}'),
+    (STATUS_ONLY, '{"verdict": "S"}'),
+    (STATUS_ONLY, "a"),  # lower-case one-letter labels are ordinary words
+    (STATUS_ANSWER, '{"status": "A", "answer": "x"}'),  # A is not allowed in this stage
+    (STATUS_ANSWER, '{"status": "S"}'),  # missing answer
+    (STATUS_ANSWER, "S"),  # a bare label cannot carry the answer
+    (STATUS_ANSWER, '{"status": "S", "answer": ["x"]}'),
+    (STATUS_ONLY, '{"status": "S"'),  # truncated
+])
+def test_parse_rejects_what_does_not_fit_the_schema(schema, text):
+    with pytest.raises(SchemaViolation):
+        parse_reply(text, schema)
+
+
+def test_parse_answer_field():
+    out = parse_reply('{"status": "S", "answer": " Paris ", "extra": 1}', STATUS_ANSWER)
+    assert out == StageOutput(status=S, answer="Paris")
+    assert parse_reply('{"status": "S", "answer": 1969}', STATUS_ANSWER).answer == "1969"
+
+
+# --------------------------------------------------------------------------------------------------
+# The evidence boundary, by construction and by canaries
+
+
+def test_the_stage_a_builder_cannot_receive_gold():
+    params = inspect.signature(build_blind_request).parameters
+    assert list(params) == ["stage", "view", "sample_index"]
+    assert {f for f in BlindView.__dataclass_fields__} == {"question", "evidence", "answer"}
+    view = blind_view(rollout(golds=("GOLDCANARY",)))
+    assert "GOLDCANARY" not in repr(view)
+    with pytest.raises(ValueError, match="sees gold"):
+        build_blind_request(TWO.stages[1], view)
+
+
+def test_no_byte_of_any_stage_a_request_contains_a_gold_canary():
+    """Canaries planted in the gold answers (and the question's metadata and id) of many real-data rollouts
+    never reach a Stage A request of the two-stage policy, through the whole judging machinery; they do
+    reach Stage B and the single-prompt baseline (positive controls: the check can see a leak)."""
+    rng = random.Random(7)
+    probes = build_probes(120, seed=3)
+    planted = []
+    for probe in probes:
+        canary = f"CANARY{rng.getrandbits(64):016x}"
+        t = probe.trajectory
+        question = type(t.question)(id=f"{t.question.id}-{canary}", question=t.question.question,
+                                    golden_answers=(canary, f"{t.question.golden_answers[0]} {canary}"),
+                                    dataset=t.question.dataset, metadata={**t.question.metadata, "c": canary})
+        planted.append((canary, type(t)(question, t.turns, t.answer, t.stop_reason, t.sample_index)))
+
+    def script(request):  # S / A from Stage A, so that Stage B runs and the positive control is exercised
+        status = "S" if request.stage != "A" or len(request.canonical_json()) % 2 else "A"
+        return default_reply(request, status=status, answer="x")
+
+    for policy, leaks_expected in ((TWO, False), (SINGLE, True)):
+        client = ScriptedClient(script)
+        with Teacher(policy, client, JudgeConfig(concurrency=4)) as teacher:
+            verdicts = teacher.judge([t for _, t in planted])
+        assert not any(v.teacher_error for v in verdicts)
+        stage_a = policy.status_stage.name
+        a_requests = [r for r in client.requests if r.stage == stage_a]
+        assert len(a_requests) == len(planted)
+        canaries = [c.encode() for c, _ in planted]
+        a_bytes = [json.dumps(json.loads(r.canonical_json())).encode() + r.canonical_json().encode()
+                   for r in a_requests]
+        leaked = sum(any(c in b for c in canaries) for b in a_bytes)
+        if leaks_expected:
+            assert leaked == len(a_requests)
+        else:
+            assert leaked == 0
+            b_requests = [r for r in client.requests if r.stage == "B"]
+            assert b_requests and all(any(c in r.canonical_json().encode() for c in canaries) for r in b_requests)
