@@ -1,0 +1,572 @@
+"""Warm-start training data: Search-R1 trajectories built from training questions with real searches.
+
+The bundled SmolLM2 never emits `<search>` on its own, so before RL it is fine-tuned on trajectories
+written in the exact protocol the rollout engine speaks. Each example is a :class:`~eviback.types.Trajectory`
+whose model turns end at `</search>` or `</answer>` and whose observations are exactly
+:func:`eviback.protocol.render_observation` of what the retriever returned for the query, capped at
+`max_obs_tokens` tokens as the rollout engine caps them. Three kinds are built:
+
+- `single`: search the question, answer. Kept only when a gold answer appears in the visible part of the
+  retrieved passages; the `<think>` quotes the sentence that holds it and the `<answer>` is that gold
+  answer as the passage writes it (its exact match with the gold answers is checked).
+- `multi` (multi-hop training questions): search the question, then search an entity that the first
+  results mention (a supporting-passage title found in them, else a named entity from them). Kept only when
+  the second search brings a gold passage that the first did not, and that passage holds the answer.
+- `retry` (single-hop questions whose first search missed): search again with a shorter query (the
+  subject and relation where the data set records them, else the question's keywords); kept only when the
+  second search brings the answer. These teach the model that an unhelpful search is not the end.
+
+Only the model's own tokens are trained: :func:`tokenize_trajectory` returns the prompt ids and the
+response ids with a mask that is 1 on model tokens and 0 on observation tokens (`TokenTrace`), and
+:func:`labels_for` turns that into causal-LM labels with -100 on the prompt and the observations.
+
+Run `eviback sft --dry-run` to build the examples and print counts without training.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import random
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from eviback.data import BENCHMARKS_MULTI_HOP, DataSuite, read_questions
+from eviback.metrics import exact_match, normalize_answer
+from eviback.protocol import apply_chat_template, parse_action, render_observation
+from eviback.retrieval.base import Retriever
+from eviback.types import Action, ActionKind, Passage, Question, StopReason, TokenTrace, Trajectory, Turn
+
+# Bumped whenever the text of the built examples changes, so that cached warm starts are rebuilt.
+BUILDER_VERSION = 1
+
+IGNORE_INDEX = -100  # the label of a token excluded from the loss (PyTorch's cross-entropy default)
+
+
+class ExampleKind(enum.StrEnum):
+    SINGLE = "single"  # one search, then the answer
+    MULTI = "multi"  # a multi-hop question: a second search for an entity found by the first
+    RETRY = "retry"  # the first search missed; a reformulated second search found the answer
+
+
+@dataclass(frozen=True)
+class WarmStartExample:
+    """One training trajectory and how it was made."""
+
+    trajectory: Trajectory
+    kind: ExampleKind
+
+    @property
+    def question(self) -> Question:
+        return self.trajectory.question
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What the builder looked at and what it kept.
+
+    `considered`: questions per data set; `kept`: examples per kind; `rejected`: questions that yielded no
+    example, per reason (`answer_not_retrieved`, `no_second_hop`, ...)."""
+
+    considered: Mapping[str, int] = field(default_factory=dict)
+    kept: Mapping[str, int] = field(default_factory=dict)
+    rejected: Mapping[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# Guard: training questions never come from evaluation files.
+
+
+def eval_question_keys(suite: DataSuite) -> tuple[set[str], set[str]]:
+    """The ids and normalised question texts of every evaluation file of `suite`."""
+    ids: set[str] = set()
+    texts: set[str] = set()
+    for path in suite.eval.values():
+        for q in read_questions(path):
+            ids.add(q.id)
+            texts.add(normalize_answer(q.question))
+    return ids, texts
+
+
+def check_no_eval_overlap(questions: Iterable[Question], suite: DataSuite) -> None:
+    """Raise when a training question's id or text appears in one of the suite's evaluation files."""
+    ids, texts = eval_question_keys(suite)
+    leaked = [q.id for q in questions if q.id in ids or normalize_answer(q.question) in texts]
+    if leaked:
+        raise ValueError(
+            f"{len(leaked)} training question(s) also appear in the suite's evaluation files "
+            f"(e.g. {leaked[:3]}); train only on the suite's `train` files, or remove these questions"
+        )
+
+
+def training_files(suite: DataSuite, names: Sequence[str] = ()) -> tuple:
+    """The suite's training files, or the named subset of them (by path or by file stem, e.g. `nq_train`).
+
+    Evaluation files are refused: a warm start never sees an evaluation question."""
+    if not names:
+        if not suite.train:
+            raise ValueError(f"the data suite {suite.root} lists no training files; add a `train` list to it")
+        return suite.train
+    by_name = {_stem(p): p for p in suite.train}
+    chosen = []
+    for name in names:
+        path = by_name.get(_stem(name)) or next((p for p in suite.train if str(p) == str(name)), None)
+        if path is None:
+            raise ValueError(
+                f"{name!r} is not a training file of the suite {suite.root}; choose from "
+                f"{', '.join(sorted(by_name))}"
+            )
+        chosen.append(path)
+    return tuple(chosen)
+
+
+def _stem(path) -> str:  # noqa: ANN001 - str or Path
+    name = str(path).rsplit("/", 1)[-1]
+    for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+# --------------------------------------------------------------------------------------------------
+# Observations as the rollout engine shows them
+
+
+def cap_observation(observation: str, tokenizer, max_tokens: int) -> str:  # noqa: ANN001 - HF tokenizer
+    """`observation` cut to its first `max_tokens` tokens (the rollout engine's cap, Search-R1's rule)."""
+    ids = tokenizer(observation, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return observation
+    return tokenizer.decode(ids[:max_tokens])
+
+
+@dataclass(frozen=True)
+class _Search:
+    """One executed search: the query, the passages, the observation text and what of each passage fits."""
+
+    query: str
+    passages: tuple[Passage, ...]
+    observation: str
+    visible: tuple[str, ...]  # the text of each passage that survived the observation cap
+
+
+def _make_search(query: str, passages: Sequence[Passage], tokenizer, max_obs_tokens: int) -> _Search:  # noqa: ANN001
+    full = render_observation(passages)
+    shown = cap_observation(full, tokenizer, max_obs_tokens)
+    # How much of `full` survived: the common prefix (decode may differ in the last, cut character).
+    kept = 0
+    for a, b in zip(full, shown, strict=False):
+        if a != b:
+            break
+        kept += 1
+    visible = []
+    cursor = 0
+    for i, passage in enumerate(passages, start=1):
+        head = f"Doc {i}(Title: {passage.contents.split(chr(10))[0]}) "
+        start = full.find(head, cursor) + len(head)
+        cursor = start
+        visible.append(passage.text[: max(0, kept - start)])
+    return _Search(query, tuple(passages), shown, tuple(visible))
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding a gold answer in the evidence
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+@dataclass(frozen=True)
+class _Grounding:
+    doc: int  # 1-based position in the search's passages
+    title: str
+    surface: str  # the answer as the passage writes it (exact match with a gold answer)
+    sentence: str  # the sentence (shortened) of the passage that holds it
+
+
+def _words(text: str) -> list[tuple[str, int, int]]:
+    """(normalised word, start, end) of every white-space separated word that survives normalisation."""
+    out = []
+    for m in re.finditer(r"\S+", text):
+        norm = normalize_answer(m.group())
+        for piece in norm.split():  # a word like "U.S.-based" may normalise to one piece; keep offsets
+            out.append((piece, m.start(), m.end()))
+    return out
+
+
+def find_answer(golds: Sequence[str], text: str) -> tuple[str, int, int] | None:
+    """The first occurrence in `text` of a gold answer (SQuAD-normalised, whole words): (surface, start, end).
+
+    Gold answers are tried in their listed order (the first is the data set's canonical answer)."""
+    words = _words(text)
+    norms = [w for w, _, _ in words]
+    for gold in golds:
+        target = normalize_answer(gold).split()
+        if not target:
+            continue
+        for i in range(len(norms) - len(target) + 1):
+            if norms[i : i + len(target)] == target:
+                start, end = words[i][1], words[i + len(target) - 1][2]
+                surface = text[start:end].strip(".,;:!?()[]\"'")
+                if exact_match(surface, golds) != 1.0:
+                    surface = gold  # punctuation attached to the words changed it: use the gold string
+                return surface, start, end
+    return None
+
+
+def _sentence_around(text: str, start: int, end: int, max_words: int = 30) -> str:
+    """The sentence of `text` containing [start, end), cut to about `max_words` words around the span."""
+    bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]
+    s = max(b for b in bounds if b <= start)
+    e = min((b for b in bounds if b >= end), default=len(text))
+    sentence = text[s:e].strip()
+    words = sentence.split()
+    if len(words) <= max_words:
+        return sentence
+    # Keep a window around the answer so the quoted words still contain it.
+    before = len(text[s:start].split())
+    lo = max(0, min(before - max_words // 3, len(words) - max_words))
+    return " ".join(words[lo : lo + max_words])
+
+
+def ground(golds: Sequence[str], search: _Search, allowed_ids: Iterable[str] = (),
+           subject: str | None = None) -> _Grounding | None:
+    """A gold answer in the visible text of one of the search's passages, or None.
+
+    A string match alone is weak evidence (an occupation such as "actor" appears in many passages), so
+    when the question's gold passages are known (`allowed_ids`) only those may be cited, and when the data
+    set names the question's subject (PopQA's `subj`) the cited passage must mention it."""
+    allowed = set(allowed_ids)
+    for i, passage in enumerate(search.passages):
+        if allowed and passage.id not in allowed:
+            continue
+        if subject and not contains_words(passage.contents, subject):
+            continue
+        found = find_answer(golds, search.visible[i])
+        if found is not None:
+            surface, start, end = found
+            sentence = _sentence_around(search.visible[i], start, end)
+            return _Grounding(i + 1, passage.title, surface, sentence)
+    return None
+
+
+def _ground_question(question: Question, search: _Search, allowed_ids: Iterable[str] | None = None):  # noqa: ANN202
+    subject = question.metadata.get("subj")
+    allowed = question.gold_passage_ids if allowed_ids is None else allowed_ids
+    return ground(question.golden_answers, search, allowed, str(subject) if subject else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Second-hop queries
+
+
+_ENTITY = re.compile(r"[A-Z0-9][\w'’&.\-]*(?:\s+(?:(?:of|the|de|and|la|von|van|du|del)\s+)*[A-Z0-9][\w'’&.\-]*)*")
+# Words that begin a capitalised run without being part of the name ("In", "The", "It", ...).
+_LEADING = frozenset((
+    "a", "an", "the", "in", "on", "at", "of", "it", "he", "she", "they", "his", "her", "its", "their", "this",
+    "that", "these", "those", "there", "after", "before", "during", "when", "while", "as", "by", "for", "from",
+    "with", "and", "but", "or", "if", "since",
+))
+_STOPWORDS = frozenset((
+    "a", "an", "the", "of", "in", "on", "at", "to", "for", "by", "with", "from", "and", "or", "is", "was", "are",
+    "were", "be", "been", "what", "who", "whom", "whose", "which", "when", "where", "why", "how", "did", "does",
+    "do", "that", "this", "these", "those", "as", "into", "than", "then", "it", "its", "his", "her", "their",
+    "there",
+))
+
+
+def entity_candidates(text: str, question: str, exclude: Iterable[str] = ()) -> list[str]:
+    """Named-entity-like spans of `text` (runs of capitalised words) that the question does not mention."""
+    q = f" {normalize_answer(question)} "
+    excluded = {normalize_answer(x) for x in exclude}
+    out: list[str] = []
+    for sentence in _SENTENCE_END.split(text):
+        for match in _ENTITY.finditer(sentence):
+            words = re.sub(r"['’]s?$", "", match.group().rstrip(".,;:-")).split()
+            while words and words[0].lower() in _LEADING:
+                words = words[1:]
+            span = " ".join(words)
+            norm = normalize_answer(span)
+            if len(norm) < 3 or norm in _STOPWORDS or f" {norm} " in q or norm in excluded:
+                continue
+            if span not in out:
+                out.append(span)
+    return out
+
+
+def contains_words(haystack: str, needle: str) -> bool:
+    """Whole-word containment after SQuAD normalisation."""
+    needle = normalize_answer(needle)
+    return bool(needle) and f" {needle} " in f" {normalize_answer(haystack)} "
+
+
+def retry_query(question: Question) -> str:
+    """A shorter reformulation: subject + relation where the data set records them, else the keywords."""
+    subject = question.metadata.get("subj")
+    relation = {"occupation": "occupation", "place of birth": "born", "genre": "genre", "country": "country",
+                "capital": "capital", "author": "author", "director": "director", "producer": "producer",
+                "composer": "composer", "father": "father", "mother": "mother", "religion": "religion",
+                "sport": "sport", "color": "color", "capital of": "capital"}
+    if subject and question.metadata.get("prop"):
+        return f"{subject} {relation.get(str(question.metadata['prop']), str(question.metadata['prop']))}"
+    words = [w for w in re.findall(r"[\w'’\-]+", question.question) if w.lower() not in _STOPWORDS]
+    return " ".join(words)
+
+
+def search_query(question: Question) -> str:
+    """The first query: the question itself, without its question mark."""
+    return question.question.strip().rstrip("?").strip()
+
+
+# --------------------------------------------------------------------------------------------------
+# Text of the model's turns. Short, factual, and varied a little so the model does not learn one sentence.
+
+
+_FIRST = (
+    "I need to find the answer to this question. I will search for it.",
+    "I do not know this for sure, so I will search for it.",
+    "I should look this up before answering.",
+)
+_FIRST_MULTI = (
+    "This question needs more than one fact. I will search for the first one.",
+    "I need to find several facts to answer this. I will start with a search.",
+)
+
+
+def _pick(options: Sequence[str], key: str) -> str:
+    return options[int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(options)]
+
+
+def _search_turn(think: str, query: str) -> Turn:
+    text = f"<think> {think} </think>\n<search> {query} </search>"
+    return Turn(text=text, action=parse_action(text))
+
+
+def _answer_turn(think: str, answer: str) -> Turn:
+    text = f"<think> {think} </think>\n<answer> {answer} </answer>"
+    return Turn(text=text, action=parse_action(text))
+
+
+def _executed(turn: Turn, search: _Search) -> Turn:
+    return Turn(text=turn.text, action=turn.action, passages=search.passages, observation=search.observation,
+                executed=True)
+
+
+def _evidence_think(g: _Grounding) -> str:
+    return f'Doc {g.doc} ({g.title}) says: "{g.sentence}" So the answer is {g.surface}.'
+
+
+def _trajectory(question: Question, turns: Sequence[Turn], answer: str) -> Trajectory:
+    return Trajectory(question=question, turns=tuple(turns), answer=answer, stop_reason=StopReason.ANSWERED)
+
+
+# --------------------------------------------------------------------------------------------------
+# The builder
+
+
+def is_multi_hop(question: Question) -> bool:
+    return question.dataset in BENCHMARKS_MULTI_HOP or bool(question.metadata.get("supporting_titles"))
+
+
+def build_examples(
+    questions: Sequence[Question],
+    retriever: Retriever,
+    tokenizer,  # noqa: ANN001 - HF tokenizer: counts observation tokens as the rollout engine does
+    *,
+    topk: int = 3,
+    max_obs_tokens: int = 500,
+    show_progress: bool = False,
+) -> tuple[list[WarmStartExample], BuildReport]:
+    """At most one example per question (the first kind that works), in the order of `questions`.
+
+    Multi-hop questions try `multi` then `single`; single-hop questions try `single` then `retry`.
+    Searches are real: every observation is what `retriever` returned for that query."""
+    considered: Counter[str] = Counter()
+    kept: Counter[str] = Counter()
+    rejected: Counter[str] = Counter()
+    examples: list[WarmStartExample] = []
+
+    first_queries = [search_query(q) for q in questions]
+    first_results = retriever.search(first_queries, topk=topk) if questions else []
+    iterator: Iterable = zip(questions, first_queries, first_results, strict=True)
+    if show_progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(iterator, total=len(questions), desc="building warm-start examples", unit="question")
+    for question, query, passages in iterator:
+        considered[question.dataset or "?"] += 1
+        first = _make_search(query, passages, tokenizer, max_obs_tokens)
+        example = None
+        reason = ""
+        if is_multi_hop(question):
+            example, reason = _multi_hop(question, first, retriever, tokenizer, topk, max_obs_tokens)
+        if example is None:
+            example, single_reason = _single(question, first)
+            reason = reason or single_reason
+        if example is None and not is_multi_hop(question):
+            example, reason = _retry(question, first, retriever, tokenizer, topk, max_obs_tokens)
+        if example is None:
+            rejected[reason] += 1
+            continue
+        kept[example.kind.value] += 1
+        examples.append(example)
+    return examples, BuildReport(dict(considered), dict(kept), dict(rejected))
+
+
+def _single(question: Question, first: _Search) -> tuple[WarmStartExample | None, str]:
+    g = _ground_question(question, first)
+    if g is None:
+        return None, "answer_not_retrieved"
+    turns = [
+        _executed(_search_turn(_pick(_FIRST, question.id), first.query), first),
+        _answer_turn(_evidence_think(g), g.surface),
+    ]
+    return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.SINGLE), ""
+
+
+def _retry(question, first, retriever, tokenizer, topk, max_obs_tokens):  # noqa: ANN001, ANN202
+    query = retry_query(question)
+    if not query or normalize_answer(query) == normalize_answer(first.query):
+        return None, "answer_not_retrieved"
+    second = _make_search(query, retriever.search([query], topk=topk)[0], tokenizer, max_obs_tokens)
+    g = _ground_question(question, second)
+    if g is None:
+        return None, "answer_not_retrieved"
+    turns = [
+        _executed(_search_turn(_pick(_FIRST, question.id), first.query), first),
+        _executed(_search_turn("These documents do not answer the question. I will search again with a "
+                               "shorter query.", query), second),
+        _answer_turn(_evidence_think(g), g.surface),
+    ]
+    return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.RETRY), ""
+
+
+def _multi_hop(question, first, retriever, tokenizer, topk, max_obs_tokens, max_candidates=8):  # noqa: ANN001, ANN202
+    gold = set(question.gold_passage_ids)
+    seen = {p.id for p in first.passages}
+    golds_norm = [normalize_answer(a) for a in question.golden_answers]
+    # The second query names something the first results mention: a supporting title found in them first
+    # (the bridge entity of most HotpotQA questions), then other named entities of the results.
+    candidates: dict[str, int] = {}  # query -> the 1-based doc of the first results that mentions it
+    first_titles = {normalize_answer(p.title) for p in first.passages}
+    for title in map(str, question.metadata.get("supporting_titles", ())):
+        doc = next((i for i, text in enumerate(first.visible, start=1) if contains_words(text, title)), None)
+        if doc and not contains_words(question.question, title) and normalize_answer(title) not in first_titles:
+            candidates.setdefault(title, doc)
+    prefer = sorted(range(len(first.passages)), key=lambda i: (first.passages[i].id not in gold, i))
+    for i in prefer:
+        for entity in entity_candidates(first.visible[i], question.question,
+                                        exclude=[p.title for p in first.passages]):
+            candidates.setdefault(entity, i + 1)
+    # A query that already holds the answer would teach searching for what one has just read.
+    queries = [c for c in candidates if not any(g and f" {g} " in f" {normalize_answer(c)} " for g in golds_norm)]
+    queries = queries[:max_candidates]
+    if not queries:
+        return None, "no_second_hop"
+    results = retriever.search(queries, topk=topk)
+    for entity, passages in zip(queries, results, strict=True):
+        new_gold = [p.id for p in passages if p.id in gold and p.id not in seen]
+        if not new_gold:
+            continue
+        second = _make_search(entity, passages, tokenizer, max_obs_tokens)
+        g = _ground_question(question, second, new_gold)
+        if g is None:
+            continue
+        mention = candidates[entity]
+        bridge = (f"Doc {mention} ({first.passages[mention - 1].title}) mentions {entity}. "
+                  f"I need more information about {entity}.")
+        turns = [
+            _executed(_search_turn(_pick(_FIRST_MULTI, question.id), first.query), first),
+            _executed(_search_turn(bridge, entity), second),
+            _answer_turn(_evidence_think(g), g.surface),
+        ]
+        return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.MULTI), ""
+    return None, "no_second_hop"
+
+
+# --------------------------------------------------------------------------------------------------
+# Choosing the training set
+
+
+def select_examples(
+    examples: Sequence[WarmStartExample], max_examples: int, multi_search_share: float, seed: int = 0
+) -> list[WarmStartExample]:
+    """At most `max_examples`, of which up to `multi_search_share` search more than once (multi + retry),
+    the rest single-search, spread over the data sets; shuffled deterministically by `seed`."""
+    rng = random.Random(seed)
+    multi = [e for e in examples if e.kind is not ExampleKind.SINGLE]
+    single = [e for e in examples if e.kind is ExampleKind.SINGLE]
+    n_multi = min(len(multi), round(max_examples * multi_search_share))
+    chosen = _round_robin(multi, n_multi, rng)
+    chosen += _round_robin(single, max_examples - len(chosen), rng)
+    rng.shuffle(chosen)
+    return chosen
+
+
+def _round_robin(examples: Sequence[WarmStartExample], n: int, rng: random.Random) -> list[WarmStartExample]:
+    """`n` examples taken in turn from each data set (each set shuffled), so no set crowds out the others."""
+    by_set: dict[str, list[WarmStartExample]] = {}
+    for e in examples:
+        by_set.setdefault(f"{e.question.dataset}/{e.kind}", []).append(e)
+    for items in by_set.values():
+        rng.shuffle(items)
+    queues = [by_set[k] for k in sorted(by_set)]
+    out: list[WarmStartExample] = []
+    while len(out) < n and any(queues):
+        for queue in queues:
+            if queue and len(out) < n:
+                out.append(queue.pop())
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenisation: the chat-template prompt, then the trajectory, with the model's own tokens marked
+
+
+def tokenize_trajectory(
+    trajectory: Trajectory, tokenizer, max_obs_tokens: int = 500, end_with_eos: bool = True  # noqa: ANN001
+) -> TokenTrace:
+    """Prompt ids (the chat template's prompt, up to and including the assistant header) and response ids.
+
+    Each turn's text and each observation are tokenised on their own, as in a rollout (the model's tokens
+    are sampled, the observation is tokenised and appended, capped at `max_obs_tokens`). `mask` is 1 on
+    the model's tokens and 0 on observation tokens. With `end_with_eos`, the end-of-turn token follows the
+    final `</answer>` and is trained, so the model also stops where no stop string is set."""
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    prompt = encode(apply_chat_template(tokenizer, trajectory.question.question))
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn in trajectory.turns:
+        own = encode(turn.text)
+        ids += own
+        mask += [1] * len(own)
+        if turn.observation:
+            seen = encode(turn.observation)[:max_obs_tokens]
+            ids += seen
+            mask += [0] * len(seen)
+    if end_with_eos:
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+    return TokenTrace(prompt_ids=tuple(prompt), ids=tuple(ids), mask=tuple(mask))
+
+
+def labels_for(trace: TokenTrace) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for causal-LM training: labels are -100 on the prompt and on observations."""
+    input_ids = list(trace.prompt_ids) + list(trace.ids)
+    labels = [IGNORE_INDEX] * len(trace.prompt_ids) + [
+        token if keep else IGNORE_INDEX for token, keep in zip(trace.ids, trace.mask, strict=True)
+    ]
+    return input_ids, labels
+
+
+def model_actions(trajectory: Trajectory) -> list[Action]:
+    """The actions of the model's turns (for checks: every turn but the last searches, the last answers)."""
+    return [turn.action for turn in trajectory.turns]
+
+
+__all__ = [
+    "BUILDER_VERSION", "ActionKind", "BuildReport", "ExampleKind", "WarmStartExample", "build_examples",
+    "cap_observation", "check_no_eval_overlap", "eval_question_keys", "find_answer", "ground", "labels_for",
+    "select_examples", "tokenize_trajectory", "training_files",
+]
