@@ -158,3 +158,48 @@ def test_summary_counts(rollouts):
     assert sum(summary.reward_histogram.values()) == len(rollouts)
     assert summary.total.requests == len(rollouts) + summary.stage_b_runs
     assert summary.rollouts_per_s == pytest.approx(len(rollouts) / 2.0)
+
+
+def test_on_request_sees_cached_requests_too(rollouts):
+    seen = []
+    cache = MemoryCache()
+    with Teacher(TWO, ScriptedClient(), NO_WAIT, cache=cache, on_request=seen.append) as t:
+        t.judge(rollouts[:3])
+        t.judge(rollouts[:3])
+    assert len(seen) == 12 and {r.stage for r in seen} == {"A", "B"}
+
+
+def test_teacher_config_from_yaml_builds_an_http_teacher(tmp_path, rollouts):
+    import yaml
+
+    from eviback.teacher.config import TeacherConfig, build_teacher
+    from eviback.teacher.fakes import Fault, FaultyChatServer
+    from eviback.types import from_dict
+
+    with FaultyChatServer(Fault.OK) as server:
+        text = f"""
+policy: single-prompt-dual-task
+backend: http
+http: {{base_url: "{server.base_url}", structured_output: structured_outputs, timeout_s: 5}}
+judge: {{concurrency: 2, retry: {{max_attempts: 2, backoff_s: 0}}}}
+cache: {tmp_path / "replies.sqlite"}
+"""
+        config = from_dict(TeacherConfig, yaml.safe_load(text))
+        with build_teacher(config) as teacher:
+            verdicts = teacher.judge(rollouts[:2])
+    assert teacher.policy.name == "single-prompt-dual-task" and teacher.client.backend_id == "openai-http:faulty"
+    assert not any(v.teacher_error for v in verdicts) and len(SqliteCache(tmp_path / "replies.sqlite")) == 2
+
+
+def test_a_reply_cut_at_max_tokens_names_the_fix_and_is_not_repaid_when_greedy(rollouts):
+    from eviback.teacher.chat import ChatReply
+
+    class Truncating(ScriptedClient):
+        def complete(self, request):
+            self.requests.append(request)
+            return ChatReply('{"status": "S", "answer": "New York; NYC; New Yo', truncated=True)
+    client = Truncating()
+    with teacher(client) as t:
+        verdict = t.judge_one(rollouts[0])
+    assert verdict.teacher_error and "raise the stage's decoding.max_tokens" in verdict.error
+    assert verdict.calls == 1  # temperature 0: the same cut reply would come back

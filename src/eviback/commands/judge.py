@@ -87,53 +87,50 @@ def run(args: argparse.Namespace) -> int:
     return _judge(args)
 
 
+def _config(args: argparse.Namespace):  # noqa: ANN202 - a TeacherConfig
+    from eviback.teacher import HttpBackendConfig, JudgeConfig, RetryConfig, TeacherConfig
+    from eviback.teacher.config import DEFAULT_CACHE
+    from eviback.teacher.local import LocalBackendConfig
+
+    return TeacherConfig(
+        policy=args.policy,
+        backend=args.backend,
+        http=HttpBackendConfig(base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
+                               structured_output=args.structured_output, timeout_s=args.timeout,
+                               max_connections=max(args.concurrency, 1)),
+        local=LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads),
+        judge=JudgeConfig(concurrency=args.concurrency,
+                          retry=RetryConfig(max_attempts=args.max_attempts, backoff_s=args.backoff)),
+        cache="" if args.no_cache else (args.cache or DEFAULT_CACHE),
+    )
+
+
 def _judge(args: argparse.Namespace) -> int:
     import time
 
     from eviback.data import write_jsonl
-    from eviback.policy import cache_dir
-    from eviback.teacher import (
-        HttpBackendConfig,
-        JudgeConfig,
-        OpenAIChatClient,
-        RetryConfig,
-        SqliteCache,
-        Teacher,
-        load_policy,
-        read_trajectories,
-        summarize,
-    )
+    from eviback.teacher import OpenAIChatClient, build_teacher, load_policy, read_trajectories, summarize
     from eviback.teacher.judge import judged_rollouts
     from eviback.types import to_dict
 
-    policy = load_policy(args.policy)
+    config = _config(args)
+    load_policy(config.policy)  # a missing or edited policy fails before anything is loaded
     trajectories = read_trajectories(args.dump, limit=args.limit)
-    if args.backend == "local":
-        from eviback.teacher.local import LocalBackendConfig, LocalClient
-
-        client = LocalClient(LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads))
-    else:
-        client = OpenAIChatClient(HttpBackendConfig(
-            base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
-            structured_output=args.structured_output, timeout_s=args.timeout,
-            max_connections=max(args.concurrency, 1)))
-        client.list_models()  # fail now, with the fix named, rather than once per rollout
-    cache = None if args.no_cache else SqliteCache(args.cache or cache_dir() / "teacher" / "replies.sqlite")
-    config = JudgeConfig(concurrency=args.concurrency, retry=RetryConfig(max_attempts=args.max_attempts,
-                                                                         backoff_s=args.backoff))
-    print(f"judging {len(trajectories)} rollouts with {policy.name} {policy.short_version} on "
-          f"{client.backend_id} (concurrency {args.concurrency})", file=sys.stderr)
-    with Teacher(policy, client, config, cache=cache) as teacher:
+    with build_teacher(config) as teacher:
+        if isinstance(teacher.client, OpenAIChatClient):
+            teacher.client.list_models()  # fail now, with the fix named, rather than once per rollout
+        policy = teacher.policy
+        print(f"judging {len(trajectories)} rollouts with {policy.name} {policy.short_version} on "
+              f"{teacher.client.backend_id} (concurrency {args.concurrency})", file=sys.stderr)
         start = time.perf_counter()
         verdicts = teacher.judge(trajectories, sample_index=args.teacher_sample)
         wall = time.perf_counter() - start
-        summary = summarize(verdicts, policy, teacher.stats(), backend=client.backend_id, wall_s=wall)
+        summary = summarize(verdicts, policy, teacher.stats(), backend=teacher.client.backend_id, wall_s=wall)
     if args.out:
         write_jsonl(args.out, (to_dict(r) for r in judged_rollouts(trajectories, verdicts, args.teacher_sample)))
-    text = json.dumps(to_dict(summary), indent=2)
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+            f.write(json.dumps(to_dict(summary), indent=2) + "\n")
     print(_table(summary))
     return 1 if verdicts and summary.errors == len(verdicts) else 0
 

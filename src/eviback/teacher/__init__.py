@@ -3,7 +3,8 @@
 - `policy`: teacher policies as typed workflows and frozen, content-hashed artifacts; the built-ins.
 - `workflow`: the per-rollout logic: gold-free views, request building, reply parsing, gate, reward.
 - `chat`: requests, replies and the backend contract; `openai_http` and `local`: the backends.
-- `cache`: the reply cache; `judge`: batch judging with concurrency, retries and accounting.
+- `cache`: the reply cache; `judge`: batch judging with concurrency, retries and accounting;
+  `config`: one TeacherConfig record and `build_teacher`.
 - `probes`: rollouts with known evidence sufficiency for measuring a teacher; `fakes`: test doubles;
   `vllm_server`: a local OpenAI-compatible server.
 """
@@ -20,6 +21,7 @@ from eviback.teacher.chat import (
     TeacherClient,
     TransientError,
 )
+from eviback.teacher.config import Backend, TeacherConfig, build_teacher
 from eviback.teacher.judge import (
     JudgeConfig,
     JudgedRollout,
@@ -59,12 +61,12 @@ from eviback.teacher.workflow import (
 )
 
 __all__ = [
-    "BlindView", "ChatMessage", "ChatReply", "ChatRequest", "Decoding", "GoldView", "HttpBackendConfig", "Input",
+    "Backend", "BlindView", "ChatMessage", "ChatReply", "ChatRequest", "Decoding", "GoldView", "HttpBackendConfig", "Input",
     "JudgeConfig", "JudgeSummary", "JudgedRollout", "MemoryCache", "OpenAIChatClient", "OutputField",
     "PermanentError", "PolicyArtifact", "PolicyError", "ReplyCache", "ReplySchema", "RetryConfig",
     "RewardWeights", "SchemaViolation", "SqliteCache", "StageSpec", "StageStats", "StructuredOutput", "Teacher",
-    "TeacherCallError", "TeacherClient", "TeacherPolicy", "TeacherStats", "TransientError", "blind_view",
-    "build_blind_request", "build_gold_aware_request", "builtin_policy_names", "freeze_policy", "hybrid_reward",
+    "TeacherCallError", "TeacherClient", "TeacherConfig", "TeacherPolicy", "TeacherStats", "TransientError", "blind_view",
+    "build_blind_request", "build_gold_aware_request", "build_teacher", "builtin_policy_names", "freeze_policy", "hybrid_reward",
     "load_policy", "policy_from_json", "read_artifact", "read_trajectories", "run_workflow", "stage_request",
     "summarize",
 ]

@@ -73,6 +73,7 @@ class ChatReply:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_s: float = 0.0
+    truncated: bool = False  # generation stopped at max_tokens (finish_reason "length")
 
 
 class TeacherCallError(Exception):

@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -117,11 +117,15 @@ class Teacher:
         *,
         cache: ReplyCache | None = None,
         seed: int = 0,
+        on_request: Callable[[ChatRequest], None] | None = None,
     ) -> None:
+        """`on_request` sees every stage request before the cache is consulted (e.g. E2E-APE's canary audit:
+        a cached reply is never sent again, but its request is still inspected)."""
         self.policy = policy
         self.client = client
         self.config = config
         self.cache = cache
+        self.on_request = on_request
         self._stats: dict[str, StageStats] = collections.defaultdict(StageStats)
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
@@ -176,6 +180,8 @@ class Teacher:
 
     def _call_stage(self, request: ChatRequest) -> StageOutcome:
         """One stage request: cache, then attempts with backoff; never raises a TeacherCallError."""
+        if self.on_request is not None:
+            self.on_request(request)
         outcome = self._attempts(request)
         stats = StageStats(
             requests=1, cache_hits=int(outcome.cache_hit), calls=outcome.calls, retries=outcome.retries,
@@ -211,6 +217,7 @@ class Teacher:
                 self._sleep(self.config.retry.wait_s(attempt - 1, self._rng))
             calls += 1
             start = time.perf_counter()
+            reply = None
             try:
                 reply = self.client.complete(request)
                 latency += time.perf_counter() - start
@@ -218,6 +225,11 @@ class Teacher:
             except SchemaViolation as e:
                 violations += 1
                 error = f"schema violation: {e}"
+                if reply is not None and reply.truncated:
+                    error = (f"schema violation: the reply was cut at max_tokens={request.decoding.max_tokens} "
+                             f"before its JSON closed; raise the stage's decoding.max_tokens ({e})")
+                    if request.decoding.temperature == 0:
+                        break  # greedy decoding would cut the same reply again: do not pay for it twice
                 continue
             except TeacherCallError as e:
                 latency += time.perf_counter() - start

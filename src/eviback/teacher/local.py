@@ -32,7 +32,9 @@ class LocalBackendConfig:
 
     model: str = "smollm2-135m"  # a bundled name or a local Hugging Face checkpoint directory
     dtype: str = "bfloat16"  # bfloat16 is ~2x float32 on CPUs with avx512_bf16
-    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # torch intra-op threads, process-wide; None leaves torch's setting. On a busy small machine 1 can be an
+    # order of magnitude faster than 2 (OpenMP threads spinning against other processes).
+    threads: int | None = None
 
 
 class LocalClient:

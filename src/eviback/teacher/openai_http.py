@@ -161,7 +161,8 @@ class OpenAIChatClient:
             raise PermanentError(message + "; check the model name, the API key and the request options")
         try:
             data = response.json()
-            text = data["choices"][0]["message"]["content"]
+            choice = data["choices"][0]
+            text = choice["message"]["content"]
         except (json.JSONDecodeError, KeyError, IndexError, TypeError):
             raise TransientError(f"malformed response body from {self.config.base_url}: "
                                  f"{response.text[:120]!r}") from None
@@ -169,7 +170,8 @@ class OpenAIChatClient:
             raise TransientError(f"no message content in the response: {response.text[:120]!r}")
         usage = data.get("usage") or {}
         return ChatReply(text=text, prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                         completion_tokens=int(usage.get("completion_tokens") or 0), latency_s=latency)
+                         completion_tokens=int(usage.get("completion_tokens") or 0), latency_s=latency,
+                         truncated=choice.get("finish_reason") == "length")
 
     def _post(self, request: ChatRequest, mode: StructuredOutput) -> httpx.Response:
         try:

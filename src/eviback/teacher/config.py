@@ -1,0 +1,69 @@
+"""One configuration record for a teacher, and the factory that builds it.
+
+Training, `eviback judge` and E2E-APE describe their teacher with a :class:`TeacherConfig` (YAML holds its
+values; `eviback.types.from_dict(TeacherConfig, data)` reads it) and get a ready :class:`Teacher` from
+:func:`build_teacher`::
+
+    teacher = build_teacher(TeacherConfig(policy="two-stage", backend="http",
+                                          http=HttpBackendConfig(base_url="http://127.0.0.1:8000/v1")))
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from eviback.teacher.cache import ReplyCache, SqliteCache
+from eviback.teacher.judge import JudgeConfig, Teacher
+from eviback.teacher.local import LocalBackendConfig
+from eviback.teacher.openai_http import HttpBackendConfig
+from eviback.teacher.policy import TeacherPolicy, load_policy
+
+DEFAULT_CACHE = "default"
+
+
+class Backend(enum.StrEnum):
+    LOCAL = "local"  # an in-process transformers model (no server; the demo's teacher)
+    HTTP = "http"  # any OpenAI-compatible endpoint (vLLM, llama.cpp, a hosted API)
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """Everything that decides how rollouts are judged."""
+
+    policy: str = "two-stage"  # a built-in name or a frozen policy file, optionally pinned: NAME@VERSION
+    backend: Backend = Backend.LOCAL
+    http: HttpBackendConfig = field(default_factory=HttpBackendConfig)  # used when backend is "http"
+    local: LocalBackendConfig = field(default_factory=LocalBackendConfig)  # used when backend is "local"
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # concurrency and retries
+    cache: str = DEFAULT_CACHE  # SQLite reply cache path; "default": <eviback cache>/teacher/replies.sqlite; "": none
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", Backend(self.backend))
+
+
+def open_cache(spec: str) -> ReplyCache | None:
+    if not spec:
+        return None
+    if spec == DEFAULT_CACHE:
+        from eviback.policy import cache_dir
+
+        return SqliteCache(cache_dir() / "teacher" / "replies.sqlite")
+    return SqliteCache(spec)
+
+
+def build_teacher(
+    config: TeacherConfig, *, policy: TeacherPolicy | None = None, model=None, tokenizer=None  # noqa: ANN001
+) -> Teacher:
+    """A Teacher for `config`. Pass `policy` to judge with an unfrozen candidate instead of `config.policy`;
+    pass `model`/`tokenizer` to let the local backend share an already loaded model."""
+    policy = policy if policy is not None else load_policy(config.policy)
+    if config.backend is Backend.LOCAL:
+        from eviback.teacher.local import LocalClient
+
+        client = LocalClient(config.local, model=model, tokenizer=tokenizer)
+    else:
+        from eviback.teacher.openai_http import OpenAIChatClient
+
+        client = OpenAIChatClient(config.http)
+    return Teacher(policy, client, config.judge, cache=open_cache(config.cache))
