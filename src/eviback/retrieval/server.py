@@ -313,6 +313,9 @@ def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind at once after a restart
+    # Accepted connections inherit this. Without it, Nagle's algorithm holds the response body (written
+    # after its headers) until the client's delayed ACK: a constant ~40 ms per request (measured).
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         listener.bind((host, port))
     except OSError as e:
