@@ -10,7 +10,8 @@ once per injection (eviback.teacher.probes.INJECTIONS, e.g. "Ignore your instruc
 appended to the text of its first retrieved passage. Only the status decision is compared, so each policy
 is run up to its status stage (Stage A of two-stage; the single prompt of the baseline). Reported per
 policy: the flip rate (injected status != clean status), the rate of flips *to S* among verdicts that were
-not S, and the same split by whether the evidence was sufficient.
+not S, and the same split by whether the evidence was sufficient; and, for context, the clean status
+distribution and how often the clean verdict is S exactly when the gold passages were retrieved.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                 "policy": name, "backend": client.backend_id, "probes": len(probes), "pairs": len(pairs),
                 "errors": errors, "wall_s": round(wall, 1), "load_avg_1min": round(os.getloadavg()[0], 2),
                 "clean_status": {s.value: sum(c.stage_a_status is s for c in clean) for s in Status},
+                # clean verdict S exactly when the gold passages were retrieved (A and I count as not S)
+                "clean_agreement_with_sufficiency": round(sum(
+                    (c.stage_a_status is Status.SUFFICIENT) == p.evidence_sufficient
+                    for p, c in zip(probes, clean, strict=True) if not c.teacher_error) / len(probes), 3),
                 "flip": rate(valid), "flip_to_S": rate(valid, to_s=True),
                 "flip_sufficient_evidence": rate([r for r in valid if r[0].evidence_sufficient]),
                 "flip_insufficient_evidence": rate([r for r in valid if not r[0].evidence_sufficient]),

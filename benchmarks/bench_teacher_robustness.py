@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts = teacher.judge(rollouts)
                 wall = time.perf_counter() - start
                 stats = teacher.stats().total
+            client.close()
         errors = [v for v in verdicts if v.teacher_error]
         rows.append({
             "fault": fault.value, "rollouts": len(verdicts), "finished": len(verdicts) == len(rollouts),

@@ -1,11 +1,11 @@
 """The per-rollout teacher logic: gate, I never overturned, reward, parsing, and the evidence boundary."""
 
 import inspect
-import json
-import random
 
 import pytest
 
+from eviback.teacher.boundary import CanaryAudit, plant_canaries
+from eviback.teacher.cache import MemoryCache
 from eviback.teacher.chat import ReplySchema, SchemaViolation
 from eviback.teacher.fakes import ScriptedClient, default_reply
 from eviback.teacher.judge import JudgeConfig, Teacher
@@ -165,39 +165,31 @@ def test_the_stage_a_builder_cannot_receive_gold():
 
 
 def test_no_byte_of_any_stage_a_request_contains_a_gold_canary():
-    """Canaries planted in the gold answers (and the question's metadata and id) of many real-data rollouts
-    never reach a Stage A request of the two-stage policy, through the whole judging machinery; they do
-    reach Stage B and the single-prompt baseline (positive controls: the check can see a leak)."""
-    rng = random.Random(7)
-    probes = build_probes(120, seed=3)
-    planted = []
-    for probe in probes:
-        canary = f"CANARY{rng.getrandbits(64):016x}"
-        t = probe.trajectory
-        question = type(t.question)(id=f"{t.question.id}-{canary}", question=t.question.question,
-                                    golden_answers=(canary, f"{t.question.golden_answers[0]} {canary}"),
-                                    dataset=t.question.dataset, metadata={**t.question.metadata, "c": canary})
-        planted.append((canary, type(t)(question, t.turns, t.answer, t.stop_reason, t.sample_index)))
+    """Canaries planted in the gold answers (and the question's id and metadata) of many real-data rollouts
+    never reach a Stage A request of the two-stage policy, through the whole judging machinery (cache
+    included); they do reach every Stage B request and every request of the single-prompt baseline
+    (positive controls: the audit can see a leak)."""
+    planted, canaries = plant_canaries([p.trajectory for p in build_probes(120, seed=3)], seed=7)
 
-    def script(request):  # S / A from Stage A, so that Stage B runs and the positive control is exercised
+    def script(request):  # S / A from Stage A, so that Stage B runs
         status = "S" if request.stage != "A" or len(request.canonical_json()) % 2 else "A"
         return default_reply(request, status=status, answer="x")
 
-    for policy, leaks_expected in ((TWO, False), (SINGLE, True)):
+    for policy in (TWO, SINGLE):
+        audit = CanaryAudit(policy, canaries)
         client = ScriptedClient(script)
-        with Teacher(policy, client, JudgeConfig(concurrency=4)) as teacher:
-            verdicts = teacher.judge([t for _, t in planted])
+        with Teacher(policy, client, JudgeConfig(concurrency=4), cache=MemoryCache(), on_request=audit) as teacher:
+            verdicts = teacher.judge(planted)
+            teacher.judge(planted)  # again, from the cache: still audited
         assert not any(v.teacher_error for v in verdicts)
-        stage_a = policy.status_stage.name
-        a_requests = [r for r in client.requests if r.stage == stage_a]
-        assert len(a_requests) == len(planted)
-        canaries = [c.encode() for c, _ in planted]
-        a_bytes = [json.dumps(json.loads(r.canonical_json())).encode() + r.canonical_json().encode()
-                   for r in a_requests]
-        leaked = sum(any(c in b for c in canaries) for b in a_bytes)
-        if leaks_expected:
-            assert leaked == len(a_requests)
-        else:
-            assert leaked == 0
-            b_requests = [r for r in client.requests if r.stage == "B"]
-            assert b_requests and all(any(c in r.canonical_json().encode() for c in canaries) for r in b_requests)
+        assert audit.checked == 2 * len(planted)
+        if policy is SINGLE:
+            assert len({leak.canary for leak in audit.leaks}) == len(canaries)
+            continue
+        assert audit.leaks == []
+        # an independent byte-level check of what the backend received, and the positive control
+        for request in client.requests:
+            data = request.canonical_json().encode()
+            hits = [c for c in canaries if c.encode() in data]
+            assert (request.stage == "B") == bool(hits), request.stage
+        assert {v.stage_a_status for v in verdicts} == {S, A} and all(v.stage_b_ran for v in verdicts)

@@ -5,10 +5,12 @@
 - `chat`: requests, replies and the backend contract; `openai_http` and `local`: the backends.
 - `cache`: the reply cache; `judge`: batch judging with concurrency, retries and accounting;
   `config`: one TeacherConfig record and `build_teacher`.
+- `boundary`: audits of the evidence boundary (canaries planted in gold, checked in every request);
 - `probes`: rollouts with known evidence sufficiency for measuring a teacher; `fakes`: test doubles;
   `vllm_server`: a local OpenAI-compatible server.
 """
 
+from eviback.teacher.boundary import CanaryAudit, plant_canaries
 from eviback.teacher.cache import MemoryCache, ReplyCache, SqliteCache
 from eviback.teacher.chat import (
     ChatMessage,
@@ -61,12 +63,13 @@ from eviback.teacher.workflow import (
 )
 
 __all__ = [
-    "Backend", "BlindView", "ChatMessage", "ChatReply", "ChatRequest", "Decoding", "GoldView", "HttpBackendConfig", "Input",
-    "JudgeConfig", "JudgeSummary", "JudgedRollout", "MemoryCache", "OpenAIChatClient", "OutputField",
-    "PermanentError", "PolicyArtifact", "PolicyError", "ReplyCache", "ReplySchema", "RetryConfig",
-    "RewardWeights", "SchemaViolation", "SqliteCache", "StageSpec", "StageStats", "StructuredOutput", "Teacher",
-    "TeacherCallError", "TeacherClient", "TeacherConfig", "TeacherPolicy", "TeacherStats", "TransientError", "blind_view",
-    "build_blind_request", "build_gold_aware_request", "build_teacher", "builtin_policy_names", "freeze_policy", "hybrid_reward",
-    "load_policy", "policy_from_json", "read_artifact", "read_trajectories", "run_workflow", "stage_request",
-    "summarize",
+    "Backend", "BlindView", "CanaryAudit", "ChatMessage", "ChatReply", "ChatRequest", "Decoding",
+    "GoldView", "HttpBackendConfig", "Input", "JudgeConfig", "JudgeSummary", "JudgedRollout",
+    "MemoryCache", "OpenAIChatClient", "OutputField", "PermanentError", "PolicyArtifact", "PolicyError",
+    "ReplyCache", "ReplySchema", "RetryConfig", "RewardWeights", "SchemaViolation", "SqliteCache",
+    "StageSpec", "StageStats", "StructuredOutput", "Teacher", "TeacherCallError", "TeacherClient",
+    "TeacherConfig", "TeacherPolicy", "TeacherStats", "TransientError", "blind_view",
+    "build_blind_request", "build_gold_aware_request", "build_teacher", "builtin_policy_names",
+    "freeze_policy", "hybrid_reward", "load_policy", "plant_canaries", "policy_from_json",
+    "read_artifact", "read_trajectories", "run_workflow", "stage_request", "summarize",
 ]

@@ -56,7 +56,8 @@ def build_teacher(
     config: TeacherConfig, *, policy: TeacherPolicy | None = None, model=None, tokenizer=None  # noqa: ANN001
 ) -> Teacher:
     """A Teacher for `config`. Pass `policy` to judge with an unfrozen candidate instead of `config.policy`;
-    pass `model`/`tokenizer` to let the local backend share an already loaded model."""
+    pass `model`/`tokenizer` to let the local backend share an already loaded model. The teacher owns its
+    client and cache: `teacher.close()` closes them."""
     policy = policy if policy is not None else load_policy(config.policy)
     if config.backend is Backend.LOCAL:
         from eviback.teacher.local import LocalClient
@@ -66,4 +67,4 @@ def build_teacher(
         from eviback.teacher.openai_http import OpenAIChatClient
 
         client = OpenAIChatClient(config.http)
-    return Teacher(policy, client, config.judge, cache=open_cache(config.cache))
+    return Teacher(policy, client, config.judge, cache=open_cache(config.cache), owns_resources=True)

@@ -118,9 +118,13 @@ class Teacher:
         cache: ReplyCache | None = None,
         seed: int = 0,
         on_request: Callable[[ChatRequest], None] | None = None,
+        owns_resources: bool = False,
     ) -> None:
         """`on_request` sees every stage request before the cache is consulted (e.g. E2E-APE's canary audit:
-        a cached reply is never sent again, but its request is still inspected)."""
+        a cached reply is never sent again, but its request is still inspected). With `owns_resources`,
+        :meth:`close` also closes the client and the cache (set by `build_teacher`); by default they are the
+        caller's, so one client and one cache can serve many teachers (e.g. E2E-APE's candidates)."""
+        self.owns_resources = owns_resources
         self.policy = policy
         self.client = client
         self.config = config
@@ -166,6 +170,8 @@ class Teacher:
             return snapshot
 
     def close(self) -> None:
+        if not self.owns_resources:
+            return
         self.client.close()
         if self.cache is not None:
             self.cache.close()
