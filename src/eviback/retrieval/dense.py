@@ -84,7 +84,8 @@ def build(corpus: str | Path, directory: Path, config: DenseConfig, *, progress:
         chunks = directory / EMBEDDINGS_DIR
         chunks.mkdir(exist_ok=True)
         starts = range(0, total, config.chunk_size)
-        done = {start for start in starts if _chunk_path(chunks, start).exists()}
+        # A chunk counts only with the expected row count (a rerun may use another --chunk-size).
+        done = {start for start in starts if _chunk_rows(_chunk_path(chunks, start)) == min(config.chunk_size, total - start)}
         if done:
             log.info("resuming: %d of %d embedding chunks already done in %s", len(done), len(starts), chunks)
         model = load_encoder(config) if len(done) < len(starts) else None
@@ -126,6 +127,11 @@ def build(corpus: str | Path, directory: Path, config: DenseConfig, *, progress:
 
 def _chunk_path(chunks: Path, start: int) -> Path:
     return chunks / f"chunk-{start:09d}.npy"
+
+
+def _chunk_rows(path: Path) -> int:
+    """Rows in a saved chunk (read from its header only), or -1 when there is none."""
+    return np.load(path, mmap_mode="r").shape[0] if path.exists() else -1
 
 
 class DenseIndex:
