@@ -130,6 +130,7 @@ BAD_REQUESTS = [
     ('{"queries": ["hamlet"], "topk": 2.5}', 422, "'topk' must be an integer, got a number"),
     ('{"queries": ["hamlet"], "topk": true}', 422, "'topk' must be an integer, got a boolean"),
     ('{"queries": ["hamlet"], "return_scores": "yes"}', 422, "'return_scores' must be true or false"),
+    ("[" * 5000 + "]" * 5000, 400, "nested too deeply"),
     (json.dumps({"queries": ["q"], "padding": "x" * 30_000}), 413, "over the limit"),
 ]
 
@@ -139,6 +140,17 @@ def test_bad_input_gets_a_4xx_with_the_reason(server, body, status, reason):
     response = post(server, body)
     assert response.status_code == status
     assert reason in response.json()["detail"]
+
+
+def test_a_body_without_length_is_cut_at_the_limit(server):
+    def chunks():  # sent chunked (no content-length), larger than the limit
+        yield b'{"queries": ["q"], "padding": "'
+        for _ in range(40):
+            yield b"x" * 1000
+        yield b'"}'
+
+    response = httpx.post(f"{server.url}/retrieve", content=chunks(), timeout=10)
+    assert response.status_code == 413 and "over the limit" in response.json()["detail"]
 
 
 def test_server_survives_bad_input_and_counts_it(server):

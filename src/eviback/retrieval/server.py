@@ -245,15 +245,21 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None,
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             return refuse(413, f"request body of {declared} bytes is over the limit of {config.max_body_bytes}")
-        body = await request.body()
-        if len(body) > config.max_body_bytes:
-            return refuse(413, f"request body of {len(body)} bytes is over the limit of {config.max_body_bytes}")
+        # Read in pieces so a body sent without a length (chunked) cannot grow past the limit in memory.
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > config.max_body_bytes:
+                return refuse(413, f"request body of more than {config.max_body_bytes} bytes is over the limit")
+            parts.append(part)
         try:
-            payload = json.loads(body)
+            payload = json.loads(b"".join(parts))
         except UnicodeDecodeError:
             return refuse(400, "malformed JSON: the body is not UTF-8")
         except json.JSONDecodeError as e:
             return refuse(400, f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}")
+        except RecursionError:
+            return refuse(400, "malformed JSON: nested too deeply")
         try:
             parsed = parse_request(payload, config)
         except RequestError as e:
