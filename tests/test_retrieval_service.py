@@ -165,8 +165,10 @@ def test_server_survives_bad_input_and_counts_it(server):
 
 
 def test_concurrent_requests_are_batched_and_answered_correctly(server, index):
-    queries = list(BM25_QUERIES) * 8  # 32 requests
-    expected = load_retriever(index).search(queries, topk=3)
+    queries = list(BM25_QUERIES) * 8  # 32 requests, alternately top-3 and top-1 (batched together)
+    topks = [3, 1] * 16
+    in_process = load_retriever(index)
+    expected = [in_process.search([q], topk=k)[0] for q, k in zip(queries, topks, strict=True)]
     before = server.health()["stats"]
     client = RetrievalClient(server.url)
     answers: list = [None] * len(queries)
@@ -174,7 +176,7 @@ def test_concurrent_requests_are_batched_and_answered_correctly(server, index):
 
     def ask(i):
         barrier.wait()  # all at once
-        answers[i] = client.search([queries[i]], topk=3)[0]
+        answers[i] = client.search([queries[i]], topk=topks[i])[0]
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(queries))]
     for t in threads:
