@@ -1,0 +1,60 @@
+"""Generation engines behind one contract (`base.GenerationBackend`): vLLM (default) and HF `generate`.
+
+    from eviback.generation import BackendConfig, load_backend
+    backend = load_backend(BackendConfig(backend="vllm", model="smollm2-135m"))
+
+vLLM engines are cached per process (starting one takes about a minute); an HF backend is a plain object
+that can also wrap a model you already hold (`HFBackend(model, tokenizer)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eviback.generation.base import Completion, FinishReason, GenerationBackend, SamplingConfig
+from eviback.policy import DEFAULT_MODEL, DTYPES
+
+BACKENDS = ("vllm", "hf")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Which generation engine to run a policy on, and how."""
+
+    backend: str = field(default="vllm", metadata={"help": "vllm (fast, prefix caching, weight push) or hf (transformers generate)"})
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
+    dtype: str = field(default="bfloat16", metadata={"help": "bfloat16, float32 or float16"})
+    max_model_len: int = field(default=4096, metadata={"help": "vllm: longest prompt + completion"})
+    kv_cache_gib: float | None = field(default=None, metadata={"help": "vllm on CPU: KV cache GiB (default: $VLLM_CPU_KVCACHE_SPACE or 2)"})
+    executor: str = field(default="inprocess", metadata={"help": "vllm: inprocess, multiprocess or external_launcher"})
+    hf_batch_size: int = field(default=16, metadata={"help": "hf: sequences per generate call"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (None: torch's default; on a loaded machine 1 can beat 2)"})
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
+def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
+    """The backend `config` names: the process's cached vLLM engine, or a freshly loaded HF model."""
+    config = config or BackendConfig()
+    if config.backend == "hf":
+        from eviback.generation.hf import HFBackend
+
+        return HFBackend.load(config.model, config.dtype, config.threads, config.hf_batch_size)
+    from eviback.generation.vllm import VllmConfig, get_vllm_backend
+
+    return get_vllm_backend(VllmConfig(
+        model=config.model,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        kv_cache_gib=config.kv_cache_gib,
+        executor=config.executor,
+        threads=config.threads,
+    ))
+
+
+__all__ = ["BACKENDS", "BackendConfig", "Completion", "FinishReason", "GenerationBackend", "SamplingConfig",
+           "load_backend"]

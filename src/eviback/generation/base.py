@@ -1,0 +1,138 @@
+"""The generation-backend contract: token ids in, sampled token ids (with their log-probabilities) out.
+
+Every backend (vLLM, HF `generate`) takes a batch of prompts as *token ids* and returns, per prompt, the
+exact ids it sampled. The rollout engine never decodes the model's text and re-encodes it: it continues
+the next turn from `prompt ids + response ids so far`, so the ids a trainer sees are the ids that were
+sampled, and their log-probabilities belong to them.
+
+Stop strings follow vLLM's rule on both backends: generation stops after the first token whose decoded
+text completes a stop string. That token may carry a few characters past the stop string (e.g. a token
+`>.` completing `</answer>`); the ids are kept as sampled, and `Completion.text` is their decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from eviback.protocol import STOP_STRINGS
+
+if TYPE_CHECKING:
+    import torch
+
+class FinishReason(enum.StrEnum):
+    """Why one sequence of a `generate` call stopped."""
+
+    STOP = "stop"  # a stop string was completed (its token is the last id)
+    EOS = "eos"  # the model sampled its end-of-sequence token (kept as the last id)
+    LENGTH = "length"  # the token cap of the request was reached
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample one turn. Temperature 0 means greedy decoding."""
+
+    max_tokens: int = field(default=500, metadata={"help": "cap on new tokens per sequence (Search-R1: 500 per turn)"})
+    temperature: float = field(default=1.0, metadata={"help": "0 for greedy; Search-R1 trains at 1.0"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1.0: off)"})
+    stop: tuple[str, ...] = field(default=STOP_STRINGS, metadata={"help": "stop after the token completing one of these"})
+    min_tokens: int = field(default=0, metadata={"help": "no EOS or stop string before this many tokens (benchmarks)"})
+    logprobs: bool = field(default=True, metadata={"help": "return the log-probability of every sampled token"})
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to turn nucleus sampling off")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one prompt of a `generate` call produced.
+
+    `token_ids`: the sampled ids, shape (n,), ending with the stop-string token or EOS when one stopped it.
+    `logprobs`: shape (n,), log-probability of each sampled id under the distribution it was sampled from
+    (after temperature and top-p, as TRL computes them; for greedy decoding the model's own distribution);
+    empty when the request asked for none. `text`: `token_ids` decoded without special tokens."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """A policy that continues batches of token-id prompts.
+
+    Contract: `generate(prompts, params, max_tokens)` returns one Completion per prompt, in order;
+    `max_tokens`, when given, overrides `params.max_tokens` per prompt. `reseed(seed)` makes the following
+    calls reproducible (the same prompts in the same order give the same samples). `update_weights`
+    loads new policy weights without restarting the engine and invalidates any cache computed with the
+    old ones. `max_context` is the longest prompt + completion the backend accepts."""
+
+    name: str
+    tokenizer: object
+    max_context: int
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingConfig, max_tokens: Sequence[int] | None = None
+    ) -> list[Completion]: ...
+
+    def reseed(self, seed: int) -> None: ...
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def iter_weights(
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a state dict or of an iterable of pairs, names in Hugging Face checkpoint
+    form (`model.layers.0.self_attn.q_proj.weight`, as `model.named_parameters()` gives them)."""
+    return weights.items() if isinstance(weights, Mapping) else weights
+
+
+def request_caps(count: int, params: SamplingConfig, max_tokens: Sequence[int] | None) -> list[int]:
+    """The per-prompt token caps of a call, validated."""
+    if max_tokens is None:
+        return [params.max_tokens] * count
+    if len(max_tokens) != count:
+        raise ValueError(f"max_tokens has {len(max_tokens)} entries for {count} prompts")
+    if any(m < 1 for m in max_tokens):
+        raise ValueError(f"every per-prompt max_tokens must be >= 1, got {min(max_tokens)}")
+    return list(max_tokens)
+
+
+def stop_cut(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> int | None:  # noqa: ANN001
+    """The number of leading ids up to and including the first token whose decoded text completes one
+    of `stops`, or None when no stop string occurs. Binary search over prefix decodings: a prefix that
+    contains a stop string stays containing it when extended."""
+    if not stops or not ids:
+        return None
+
+    def contains(n: int) -> bool:
+        text = tokenizer.decode(ids[:n], skip_special_tokens=False)
+        return any(s in text for s in stops)
+
+    if not contains(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # invariant: contains(hi) is True
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if contains(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -1,0 +1,189 @@
+"""The Hugging Face `generate` backend: the fallback engine and the reference in tests.
+
+It re-runs the whole prompt (history included) every call, so multi-turn rollouts re-pay their history
+each turn; vLLM's prefix cache does not. Prompts are left-padded and run in micro-batches of similar
+length (`batch_size`), because a CPU attention over a large padded batch runs out of memory long before
+it gains speed.
+
+    backend = HFBackend.load("smollm2-135m", dtype="bfloat16")
+    [completion] = backend.generate([prompt_ids], SamplingConfig(max_tokens=64, temperature=0))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from eviback.generation.base import (
+    Completion,
+    FinishReason,
+    SamplingConfig,
+    iter_weights,
+    request_caps,
+    stop_cut,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _SampledLogprobs:
+    """A logits processor, run last, that records the log-probability of each sampled token.
+
+    At step t it sees the processed scores (B, V) of step t but not yet the token drawn from them; that
+    token is the last input id at step t+1, so it keeps one step of log-softmax and gathers one step late
+    (memory O(B x V), not O(steps x B x V) as `output_scores` would hold)."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None  # (B, V) log-softmax of the last step's scores
+        self.steps: list[torch.Tensor] = []  # each (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_ids: torch.Tensor) -> torch.Tensor:
+        """(B, steps) log-probabilities, given the ids sampled at the final step, shape (B,)."""
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, last_ids[:, None]).squeeze(1))
+            self.previous = None
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_ids.shape[0], 0)
+
+
+class HFBackend:
+    """`transformers` generate behind the backend contract (see `eviback.generation.base`).
+
+    Construct it around any causal LM (e.g. the trainer's own model, in which case `update_weights` is
+    unnecessary: generation already uses the trained weights) or with :meth:`load`."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, batch_size: int = 16) -> None:  # noqa: ANN001 - HF model/tokenizer
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 4096))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    @classmethod
+    def load(cls, model: str, dtype: str = "bfloat16", threads: int | None = None, batch_size: int = 16) -> HFBackend:
+        from eviback.policy import load_model, load_tokenizer
+
+        return cls(load_model(model, dtype, threads), load_tokenizer(model, dtype), batch_size)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingConfig, max_tokens: Sequence[int] | None = None
+    ) -> list[Completion]:
+        """One Completion per prompt (prompts: token ids, each of shape (L_i,))."""
+        caps = request_caps(len(prompts), params, max_tokens)
+        if params.min_tokens and params.stop:
+            raise ValueError("min_tokens > 0 is for fixed-length benchmark turns: pass stop=() with it")
+        # Similar lengths share a micro-batch, so little compute goes to padding.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: list[Completion | None] = [None] * len(prompts)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
+            for i, out in zip(chunk, outs, strict=True):
+                results[i] = out
+        return [r for r in results if r is not None]
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[Sequence[int]], params: SamplingConfig, caps: list[int]) -> list[Completion]:
+        from transformers import (
+            GenerationConfig,
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            attention[row, width - len(prompt) :] = 1
+        # Temperature and top-p are applied by our own processors, ahead of the recorder, so that the
+        # recorded log-probabilities are those of the distribution actually sampled from. The
+        # GenerationConfig is built from scratch: a model's saved defaults (top_k=50, ...) must not leak in.
+        recorder = _SampledLogprobs()
+        processors = []
+        if not params.greedy:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(params.top_p))
+        processors.append(recorder)
+        config = GenerationConfig(
+            max_new_tokens=max(caps),
+            min_new_tokens=params.min_tokens or None,
+            do_sample=not params.greedy,
+            num_beams=1,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            pad_token_id=self.pad_id,
+            eos_token_id=list(self.eos_ids),
+            stop_strings=list(params.stop) or None,
+        )
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            generation_config=config,
+            logits_processor=LogitsProcessorList(processors),
+            tokenizer=self.tokenizer,
+        )
+        new = out[:, width:]  # (B, steps)
+        logprobs = recorder.finish(new[:, -1]) if new.shape[1] else torch.zeros(len(prompts), 0)
+        completions = []
+        for row, cap in enumerate(caps):
+            ids = new[row].tolist()[:cap]
+            completions.append(self._finish(ids, logprobs[row].tolist()[: len(ids)], params, cap))
+        return completions
+
+    def _finish(self, ids: list[int], logprobs: list[float], params: SamplingConfig, cap: int) -> Completion:
+        """Cut one row's ids where the sequence really stopped (a finished row is padded with pad ids,
+        which here equal EOS) and name the reason."""
+        reason = FinishReason.LENGTH
+        end = len(ids)
+        eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids and i >= params.min_tokens), None)
+        if eos_at is not None:
+            end, reason = eos_at + 1, FinishReason.EOS
+        cut = stop_cut(self.tokenizer, ids[:end], params.stop)
+        if cut is not None:
+            end, reason = cut, FinishReason.STOP
+        if reason is FinishReason.LENGTH and end < cap:
+            raise RuntimeError(f"generation ended after {end} of {cap} tokens without EOS or a stop string")
+        ids = ids[:end]
+        return Completion(
+            token_ids=tuple(ids),
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            logprobs=tuple(logprobs[:end]) if params.logprobs else (),
+            finish_reason=reason,
+        )
+
+    def reseed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy named tensors into the model (names as in its `state_dict`)."""
+        state = dict(iter_weights(weights))
+        result = self.model.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise ValueError(f"weights the model does not have: {result.unexpected_keys[:5]}")
+
+    def close(self) -> None:
+        """Nothing to release: the model is an ordinary Python object."""
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:  # noqa: ANN001
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

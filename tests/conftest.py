@@ -1,0 +1,28 @@
+"""Fixtures shared across test modules.
+
+`vllm_backend` is the one vLLM engine of the test session: starting one takes about a minute, so every
+test that needs vLLM generation should take it from here (the engine factory also returns this same
+engine to any code under test that asks for `BackendConfig(kv_cache_gib=1)`, e.g. `eviback eval
+--kv-cache-gib 1` run in-process). Its KV cache is kept small (1 GiB) for a shared CI machine."""
+
+from __future__ import annotations
+
+import pytest
+
+# The configuration of the session's engine; code under test that asks for the same gets the same engine.
+TEST_KV_CACHE_GIB = 1
+
+
+@pytest.fixture(scope="session")
+def vllm_backend():
+    pytest.importorskip("vllm")
+    from eviback.generation import BackendConfig, load_backend
+
+    return load_backend(BackendConfig(backend="vllm", kv_cache_gib=TEST_KV_CACHE_GIB))
+
+
+@pytest.fixture(scope="session")
+def hf_backend():
+    from eviback.generation.hf import HFBackend
+
+    return HFBackend.load("smollm2-135m", dtype="bfloat16")
