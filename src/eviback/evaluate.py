@@ -1,0 +1,428 @@
+"""Benchmark evaluation: greedy, one rollout per question, on the same rollout engine training uses.
+
+Two entry points:
+
+- :func:`evaluate` (library): a backend, a retriever and questions in; one :class:`EvalItem` per question
+  and the metrics out. Training calls it on held-out questions.
+- :func:`run_eval` (`eviback eval`): the seven benchmarks of a data suite (or any QA files) into an output
+  directory: `items.jsonl` (one record per question: the whole trajectory, its scores and statistics),
+  `summary.json` and `summary.md` (per benchmark, single-hop / multi-hop / overall macro averages) and
+  `viewer.html`. An interrupted run resumes: items already in `items.jsonl` are skipped, and the summary is
+  always recomputed from that file.
+
+    eviback eval --data DIR --limit 200 --out runs/eval/baseline
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
+from eviback.generation.base import GenerationBackend
+from eviback.metrics import (
+    AnswerScores,
+    RolloutMetrics,
+    TrajectoryStats,
+    rollout_metrics,
+    score_answer,
+    trajectory_stats,
+)
+from eviback.retrieval.base import Retriever
+from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.types import Question, Trajectory, from_dict, to_dict
+
+log = logging.getLogger(__name__)
+
+ITEMS_FILE = "items.jsonl"
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+CONFIG_FILE = "config.json"
+VIEWER_FILE = "viewer.html"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    """One question to evaluate, and the benchmark it belongs to."""
+
+    benchmark: str
+    question: Question
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """The evaluation of one question: its greedy trajectory (without token ids), scores and statistics."""
+
+    benchmark: str
+    trajectory: Trajectory
+    scores: AnswerScores
+    stats: TrajectoryStats
+
+    @classmethod
+    def of(cls, benchmark: str, trajectory: Trajectory) -> EvalItem:
+        trajectory = dataclasses.replace(trajectory, tokens=None)
+        return cls(benchmark, trajectory, score_answer(trajectory.answer, trajectory.question.golden_answers),
+                   trajectory_stats(trajectory))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.benchmark, self.trajectory.question.id
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSONL record: flat fields for quick filtering, then the whole trajectory."""
+        t = self.trajectory
+        return {
+            "schema": SCHEMA_VERSION,
+            "benchmark": self.benchmark,
+            "id": t.question.id,
+            "question": t.question.question,
+            "golden_answers": list(t.question.golden_answers),
+            "answer": t.answer,
+            "stop_reason": t.stop_reason.value,
+            **to_dict(self.scores),
+            **to_dict(self.stats),
+            "trajectory": to_dict(t),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> EvalItem:
+        return cls(
+            benchmark=obj["benchmark"],
+            trajectory=from_dict(Trajectory, obj["trajectory"]),
+            scores=AnswerScores(em=obj["em"], f1=obj["f1"], sub_em=obj["sub_em"]),
+            stats=TrajectoryStats(valid_answer=obj["valid_answer"], searches=obj["searches"],
+                                  duplicate_searches=obj["duplicate_searches"], forced=obj["forced"]),
+        )
+
+
+def greedy(config: RolloutConfig | None = None) -> RolloutConfig:
+    """The evaluation variant of a rollout config: greedy, one rollout per question, no log-probs."""
+    return dataclasses.replace(config or RolloutConfig(), temperature=0.0, top_p=1.0, group_size=1, logprobs=False)
+
+
+def evaluate_tasks(
+    engine: RolloutEngine,
+    tasks: Sequence[EvalTask],
+    *,
+    batch_size: int = 64,
+    on_batch: Callable[[list[EvalItem]], None] | None = None,
+) -> list[EvalItem]:
+    """Roll out every task once with `engine` (which should be greedy, see :func:`greedy`), `batch_size`
+    questions per batched rollout; `on_batch` sees each batch's items as soon as they exist."""
+    items: list[EvalItem] = []
+    for start in range(0, len(tasks), batch_size):
+        chunk = tasks[start : start + batch_size]
+        batch = engine.rollout([t.question for t in chunk], group_size=1)
+        new = [EvalItem.of(task.benchmark, traj) for task, traj in zip(chunk, batch.trajectories, strict=True)]
+        items.extend(new)
+        if on_batch is not None:
+            on_batch(new)
+    return items
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    items: tuple[EvalItem, ...]
+    metrics: RolloutMetrics
+
+
+def evaluate(
+    backend: GenerationBackend,
+    retriever: Retriever,
+    questions: Sequence[Question],
+    *,
+    config: RolloutConfig | None = None,
+    benchmark: str = "",
+    batch_size: int = 64,
+) -> EvalResult:
+    """Greedy evaluation of `backend`'s current policy on `questions` (one rollout each).
+
+    `config` supplies the turn and token limits; its sampling settings are replaced by greedy ones."""
+    engine = RolloutEngine(backend, retriever, greedy(config))
+    items = evaluate_tasks(engine, [EvalTask(benchmark, q) for q in questions], batch_size=batch_size)
+    return EvalResult(tuple(items), rollout_metrics(i.trajectory for i in items))
+
+
+# --------------------------------------------------------------------------------------------------
+# Summaries
+
+
+@dataclass(frozen=True)
+class BenchmarkMetrics:
+    name: str
+    metrics: RolloutMetrics
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """Metrics per benchmark, and macro averages (each benchmark weighs the same; `n` is the total)."""
+
+    benchmarks: tuple[BenchmarkMetrics, ...]
+    single_hop: RolloutMetrics | None
+    multi_hop: RolloutMetrics | None
+    overall: RolloutMetrics
+
+
+def hop_kind(benchmark: str) -> str | None:
+    """"single" or "multi" for the known benchmarks and files named after them (`hotpotqa_ctx`), else None."""
+    for kind, names in (("single", BENCHMARKS_SINGLE_HOP), ("multi", BENCHMARKS_MULTI_HOP)):
+        if any(benchmark == n or benchmark.startswith(n + "_") for n in names):
+            return kind
+    return None
+
+
+def macro_average(metrics: Sequence[RolloutMetrics]) -> RolloutMetrics:
+    """The unweighted mean of each metric over `metrics`; `n` is their total."""
+    if not metrics:
+        return rollout_metrics([])
+    fields = [f.name for f in dataclasses.fields(RolloutMetrics) if f.name != "n"]
+    means = {name: sum(getattr(m, name) for m in metrics) / len(metrics) for name in fields}
+    return RolloutMetrics(n=sum(m.n for m in metrics), **means)
+
+
+def summarize(items: Iterable[EvalItem], order: Sequence[str] | None = None) -> EvalSummary:
+    """Per-benchmark metrics (in `order`, else first-seen order) recomputed from the trajectories."""
+    by_benchmark: dict[str, list[Trajectory]] = {}
+    for item in items:
+        by_benchmark.setdefault(item.benchmark, []).append(item.trajectory)
+    names = [n for n in (order or []) if n in by_benchmark] + [n for n in by_benchmark if n not in (order or [])]
+    rows = tuple(BenchmarkMetrics(n, rollout_metrics(by_benchmark[n])) for n in names)
+    single = [r.metrics for r in rows if hop_kind(r.name) == "single"]
+    multi = [r.metrics for r in rows if hop_kind(r.name) == "multi"]
+    return EvalSummary(
+        benchmarks=rows,
+        single_hop=macro_average(single) if single else None,
+        multi_hop=macro_average(multi) if multi else None,
+        overall=macro_average([r.metrics for r in rows]),
+    )
+
+
+def summary_markdown(summary: EvalSummary, title: str = "") -> str:
+    """The summary as a markdown table."""
+    head = ("| benchmark | n | EM | F1 | sub-EM | valid answer | avg searches | duplicate queries | forced |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+
+    def row(name: str, m: RolloutMetrics) -> str:
+        return (f"| {name} | {m.n} | {m.em:.3f} | {m.f1:.3f} | {m.sub_em:.3f} | {m.valid_answer_rate:.3f} | "
+                f"{m.avg_searches:.2f} | {m.duplicate_query_rate:.3f} | {m.forced_termination_rate:.3f} |\n")
+
+    lines = [f"## {title}\n\n" if title else "", head]
+    lines += [row(r.name, r.metrics) for r in summary.benchmarks]
+    if summary.single_hop is not None:
+        lines.append(row("**single-hop (macro)**", summary.single_hop))
+    if summary.multi_hop is not None:
+        lines.append(row("**multi-hop (macro)**", summary.multi_hop))
+    lines.append(row("**overall (macro)**", summary.overall))
+    return "".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The `eviback eval` job: files in, an output directory out, resumable.
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """An evaluation run. Fields marked `identity` must match when a run resumes in the same directory."""
+
+    out: str = field(default="", metadata={"help": "output directory (default: runs/eval/<model>)"})
+    data: str | None = field(default=None, metadata={"help": "data suite directory (default: the embedded suite)", "identity": True})
+    benchmarks: tuple[str, ...] = field(default=(), metadata={"help": "benchmarks of the suite (default: all; none when --qa is given)", "identity": True})
+    qa_files: tuple[str, ...] = field(default=(), metadata={"help": "extra QA JSONL files, named by their stem", "identity": True})
+    limit: int | None = field(default=None, metadata={"help": "first N questions of each benchmark"})
+    retriever: str | None = field(default=None, metadata={"help": "index directory or http URL (default: BM25 over the suite's corpus)", "identity": True})
+    model: str = field(default="smollm2-135m", metadata={"help": "model name or checkpoint directory", "identity": True})
+    dtype: str = field(default="bfloat16", metadata={"help": "model dtype", "identity": True})
+    backend: str = field(default="vllm", metadata={"help": "vllm or hf", "identity": True})
+    topk: int = field(default=3, metadata={"help": "passages per search", "identity": True})
+    max_turns: int = field(default=4, metadata={"help": "executed turns before the final one", "identity": True})
+    max_turn_tokens: int = field(default=500, metadata={"help": "new tokens per turn", "identity": True})
+    max_observation_tokens: int = field(default=500, metadata={"help": "observation cap in tokens", "identity": True})
+    max_context_tokens: int = field(default=4096, metadata={"help": "prompt + response cap", "identity": True})
+    batch_size: int = field(default=64, metadata={"help": "questions per batched rollout (and per resume checkpoint)"})
+    kv_cache_gib: float | None = field(default=None, metadata={"help": "vLLM CPU KV cache in GiB"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def rollout_config(self) -> RolloutConfig:
+        return greedy(RolloutConfig(
+            max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
+            max_observation_tokens=self.max_observation_tokens, max_context_tokens=self.max_context_tokens,
+            topk=self.topk,
+        ))
+
+    def out_dir(self) -> Path:
+        if self.out:
+            return Path(self.out)
+        return Path("runs") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(self.model).name)
+
+    def identity(self) -> dict[str, Any]:
+        return {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("identity")}
+
+
+def load_tasks(config: EvalConfig) -> list[EvalTask]:
+    """The questions of a run, benchmark by benchmark, the first `limit` of each."""
+    files: dict[str, Path] = {}
+    if config.benchmarks or not config.qa_files:
+        files.update(load_suite(config.data).eval_files(config.benchmarks or None))
+    for path in config.qa_files:
+        name = Path(path).name.split(".")[0]
+        if name in files:
+            raise ValueError(f"two QA files are both named {name!r}; rename one (the benchmark name is the file stem)")
+        files[name] = Path(path)
+    if not files:
+        raise ValueError("nothing to evaluate: the data suite has no benchmark files and no --qa file was given")
+    tasks = []
+    for name, path in files.items():
+        questions = read_questions(path)
+        tasks.extend(EvalTask(name, q) for q in questions[: config.limit])
+    return tasks
+
+
+def read_items(path: str | os.PathLike, *, repair: bool = False) -> list[EvalItem]:
+    """The records of an items file. A last line cut short by an interruption is skipped (with `repair`,
+    also removed from the file, so that appending continues cleanly); a bad line elsewhere is an error."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    items, good_bytes = [], 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            good_bytes += len(line) + 1
+            continue
+        try:
+            items.append(EvalItem.from_json(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, ValueError) as e:
+            if number == len(lines):  # no newline after it: the write was interrupted
+                log.warning("%s: skipping an incomplete last record (%s)", path, e)
+                if repair:
+                    with open(path, "r+b") as f:
+                        f.truncate(good_bytes)
+                break
+            raise DataError(path, number, f"unreadable eval record ({e}); delete the line or rerun with --overwrite") from None
+        good_bytes += len(line) + 1
+    return items
+
+
+def _append_items(path: Path, items: Sequence[EvalItem]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for item in items:
+            f.write(json.dumps(item.to_json(), ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _check_resume(out: Path, config: EvalConfig, overwrite: bool) -> None:
+    saved = out / CONFIG_FILE
+    if overwrite:
+        for name in (ITEMS_FILE, SUMMARY_JSON, SUMMARY_MD, VIEWER_FILE):
+            (out / name).unlink(missing_ok=True)
+    elif saved.exists() and (out / ITEMS_FILE).exists():
+        before = json.loads(saved.read_text()).get("identity", {})
+        changed = {k: (before.get(k), v) for k, v in config.identity().items() if before.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"{out} holds an evaluation with other settings ({detail}); "
+                             "use another --out, or --overwrite to start it again")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(saved, json.dumps({"identity": config.identity(), "config": to_dict(config)}, indent=2) + "\n")
+
+
+def open_retriever(config: EvalConfig) -> Retriever:
+    from eviback.retrieval import load_retriever, suite_retriever
+
+    if config.retriever:
+        return load_retriever(config.retriever)
+    return suite_retriever(load_suite(config.data))
+
+
+def run_eval(
+    config: EvalConfig,
+    *,
+    overwrite: bool = False,
+    backend: GenerationBackend | None = None,
+    retriever: Retriever | None = None,
+) -> EvalSummary:
+    """Evaluate, resuming whatever `config.out_dir()` already holds, and write the summary files.
+
+    `backend` / `retriever` default to those `config` names (the cached vLLM engine, the suite's BM25)."""
+    out = config.out_dir()
+    _check_resume(out, config, overwrite)
+    tasks = load_tasks(config)
+    items_path = out / ITEMS_FILE
+    done = {item.key for item in read_items(items_path, repair=True)}
+    pending = [t for t in tasks if (t.benchmark, t.question.id) not in done]
+    log.info("%d questions in %d benchmarks; %d already done, %d to run",
+             len(tasks), len({t.benchmark for t in tasks}), len(tasks) - len(pending), len(pending))
+    if pending:
+        own_retriever = retriever is None
+        retriever = retriever or open_retriever(config)
+        backend = backend or _load_backend(config)
+        engine = RolloutEngine(backend, retriever, config.rollout_config())
+        started = time.perf_counter()
+        from tqdm import tqdm
+
+        with tqdm(total=len(pending), desc="eval", unit="q", disable=not config.progress) as bar:
+            def on_batch(new: list[EvalItem]) -> None:
+                _append_items(items_path, new)
+                bar.update(len(new))
+
+            # Longer questions together would pad less, but input order keeps resume and logs simple.
+            evaluate_tasks(engine, pending, batch_size=config.batch_size, on_batch=on_batch)
+        log.info("evaluated %d questions in %.0f s", len(pending), time.perf_counter() - started)
+        if own_retriever:
+            retriever.close()
+    return write_summary(out, tasks)
+
+
+def _load_backend(config: EvalConfig) -> GenerationBackend:
+    from eviback.generation import BackendConfig, load_backend
+
+    return load_backend(BackendConfig(
+        backend=config.backend, model=config.model, dtype=config.dtype,
+        max_model_len=max(4096, config.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
+    ))
+
+
+def write_summary(out: Path, tasks: Sequence[EvalTask] | None = None) -> EvalSummary:
+    """Recompute the summary of `out/items.jsonl` (restricted to `tasks` when given) and write
+    `summary.json`, `summary.md` and `viewer.html`."""
+    from eviback.viewer import write_viewer
+
+    items = read_items(out / ITEMS_FILE)
+    order = list(dict.fromkeys(t.benchmark for t in tasks)) if tasks is not None else None
+    if tasks is not None:
+        wanted = {(t.benchmark, t.question.id) for t in tasks}
+        items = [i for i in items if i.key in wanted]
+    summary = summarize(items, order)
+    _write_atomic(out / SUMMARY_JSON, json.dumps(to_dict(summary), indent=2) + "\n")
+    _write_atomic(out / SUMMARY_MD, summary_markdown(summary, f"Evaluation: {out.name}"))
+    write_viewer(items, out / VIEWER_FILE, title=f"Evaluation: {out.name}")
+    return summary
+
+
+def read_summary(path: str | os.PathLike) -> EvalSummary:
+    """A summary.json back as an EvalSummary."""
+    return from_dict(EvalSummary, json.loads(Path(path).read_text()))
