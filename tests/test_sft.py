@@ -350,7 +350,7 @@ def offline_warm_start(tmp_path, monkeypatch):
     def fake_finetune(examples, tokenizer, base_dir, out_dir, config):
         calls.append(len(examples))
         (out_dir / "config.json").write_text("{}")
-        return sft.TrainStats(len(examples), 1, 10, 5, 1.0, 10.0, 0.1, 1.0, 0.5, (1.0, 0.5))
+        return sft.TrainStats(len(examples), 1, 10, 5, 1.0, 10.0, 0.1, 0.75, 1.0, 0.5, (1.0, 0.5))
 
     monkeypatch.setattr(sft, "finetune", fake_finetune)
     suite = write_suite(tmp_path / "suite")

@@ -89,9 +89,16 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.dry_run:
         return _dry_run(config)
+    import json
+
     path = sft.warm_start(config)
-    report = (path / sft.REPORT_FILE).read_text()
-    print(report)
+    report = json.loads((path / sft.REPORT_FILE).read_text())
+    ex, train = report["examples"], report["train"]
+    print(f"examples: {ex['total']} ({ex['single']} single-search, {ex['multi']} multi-hop, {ex['retry']} "
+          f"search-again)")
+    print(f"training: {train['optimizer_steps']} steps, {train['seconds']:.0f} s, {train['tokens_per_second']:.0f} "
+          f"tokens/s, mean loss {train['mean_loss']:.3f} (logged {train['first_loss']} -> {train['last_loss']}), "
+          f"peak RSS {train['peak_rss_gb']} GB")
     print(f"warm-started model: {path}")
     return 0
 

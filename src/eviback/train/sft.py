@@ -138,7 +138,8 @@ class TrainStats:
     seconds: float
     tokens_per_second: float
     peak_rss_gb: float  # the process's peak resident memory so far (includes whatever ran before)
-    first_loss: float | None
+    mean_loss: float  # over the whole run
+    first_loss: float | None  # the first and last logged losses (every `logging_steps` steps)
     last_loss: float | None
     losses: tuple[float, ...] = ()  # the logged training losses, in order
 
@@ -321,7 +322,8 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=config.weight_decay)
     else:
         model = master
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
+                                      fused=True)
     model.config.use_cache = False  # no KV cache during training
 
     args = SFTConfig(
@@ -352,7 +354,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          optimizers=(optimizer, None))
     start = time.perf_counter()
-    trainer.train()
+    output = trainer.train()
     seconds = time.perf_counter() - start
 
     # With bf16 compute, `master` holds the trained weights at full precision (the optimiser updated it).
@@ -372,6 +374,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
         seconds=round(seconds, 1),
         tokens_per_second=round(tokens / seconds, 1) if seconds else 0.0,
         peak_rss_gb=round(peak_rss_gb(), 2),
+        mean_loss=float(output.training_loss),
         first_loss=losses[0] if losses else None,
         last_loss=losses[-1] if losses else None,
         losses=losses,
