@@ -1,0 +1,238 @@
+"""The controller LLM that proposes candidate workflows, and what it is shown.
+
+The controller is any chat model: an OpenAI-compatible endpoint (`OpenAIChatClient` with structured output
+off: the reply is free JSON text) or the local in-process model (:class:`LocalChatClient`: free-text
+generation, not the teacher's fixed JSON skeleton). :class:`Controller` builds the prompt, asks for one
+reply per proposal slot (seeded, so a re-run asks the same), caches the replies like teacher calls (a resumed
+run never pays for a proposal twice), and returns the raw text; :func:`~eviback.ape.candidates.parse_proposal`
+turns it into a policy or a recorded rejection.
+
+What the controller sees of the training failures is built from :func:`~eviback.teacher.workflow.blind_view`
+only (question text, retrieved passages, the actor's answer), plus the judge's status and the sufficiency
+label: never the gold answers, so a proposal can never be tuned on them for Stage A.
+:class:`ScriptedController` replays fixed replies for tests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from eviback.teacher.cache import ReplyCache
+from eviback.teacher.chat import ChatMessage, ChatReply, ChatRequest, ReplySchema, TeacherClient
+from eviback.teacher.policy import Decoding, TeacherPolicy
+from eviback.teacher.workflow import BlindView
+from eviback.types import Status, to_dict
+
+CONTROLLER_STAGE = "controller"  # the `stage` name of controller requests (accounting and the cache)
+EXCERPT_CHARS = 400
+
+
+@dataclass(frozen=True)
+class FailureExample:
+    """A training rollout the parent judged against its sufficiency label, in gold-free form."""
+
+    question: str
+    evidence: str  # the retrieved passages as Stage A saw them (truncated)
+    answer: str
+    said: Status
+    expected: Status  # S when the actor retrieved every gold passage, else I
+
+    @classmethod
+    def of(cls, view: BlindView, said: Status, sufficient: bool) -> FailureExample:
+        values = view.values()  # a BlindView has no field that could hold gold answers
+        evidence = values["evidence"]
+        if len(evidence) > EXCERPT_CHARS:
+            evidence = evidence[:EXCERPT_CHARS].rstrip() + " ..."
+        return cls(values["question"], evidence, values["answer"], said,
+                   Status.SUFFICIENT if sufficient else Status.INSUFFICIENT)
+
+
+@dataclass(frozen=True)
+class ParentSummary:
+    """What the controller is told about the parent's results on the training feedback rollouts."""
+
+    rollouts: int
+    labelled: int
+    balanced_agreement: float | None
+    said_s_on_insufficient: int
+    said_i_on_sufficient: int
+    status_counts: tuple[tuple[str, int], ...]
+
+
+SYSTEM = ("You improve the prompts of an automatic judge. You reply with one JSON object and nothing else.")
+
+
+def _workflow_json(policy: TeacherPolicy) -> str:
+    stages = []
+    for s in policy.stages:
+        d = to_dict(s)
+        stages.append({k: d[k] for k in ("name", "sees", "system_prompt", "user_template", "outputs", "statuses",
+                                         "run_on")})
+    return json.dumps({"stages": stages}, indent=1, ensure_ascii=False)
+
+
+def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
+                        failures: Sequence[FailureExample]) -> tuple[ChatMessage, ...]:
+    """The controller's prompt: the parent workflow, its results, a few gold-free failures, the rules."""
+    status = ", ".join(f"{k}={v}" for k, v in summary.status_counts)
+    agreement = "n/a" if summary.balanced_agreement is None else f"{summary.balanced_agreement:.2f}"
+    lines = [
+        "A judge reads a question and the passages a search agent retrieved, and decides whether the passages "
+        "are enough to answer the question: S (sufficient), A (ambiguous) or I (insufficient).",
+        "",
+        "Its current workflow (JSON):",
+        _workflow_json(parent),
+        "",
+        f"On {summary.rollouts} training rollouts its verdicts were {status}. Agreement with the true "
+        f"sufficiency (balanced, 0.5 = chance): {agreement}. It said S on {summary.said_s_on_insufficient} "
+        f"rollouts whose passages were insufficient and I on {summary.said_i_on_sufficient} whose passages "
+        f"were sufficient.",
+    ]
+    if failures:
+        lines += ["", "Rollouts it judged wrongly:"]
+        for i, f in enumerate(failures, start=1):
+            lines += [f"{i}. Question: {f.question}", f"   Passages: {f.evidence}", f"   Agent's answer: {f.answer}",
+                      f"   The judge said {f.said.value}; correct: {f.expected.value}."]
+    lines += [
+        "",
+        "Rules: stage \"A\" decides the status; it must never see \"gold\" and its user_template must contain "
+        "$question and $evidence. Templates may use $question, $evidence, $answer (and $gold only in a later "
+        "stage). Write a literal dollar sign as $$.",
+        "Improve the workflow so that the judge says S exactly when the passages state the answer. Reply with "
+        "one JSON object only, for example:",
+        '{"stages": [{"name": "A", "system_prompt": "...", "user_template": "... $question ... $evidence ..."}]}',
+    ]
+    return (ChatMessage("system", SYSTEM), ChatMessage("user", "\n".join(lines)))
+
+
+class Controller(Protocol):
+    """Proposes workflows. Contract: `propose` returns the raw reply text for one proposal slot, or raises
+    :class:`~eviback.teacher.chat.TeacherCallError`; the same (messages, slot) gives the same text."""
+
+    @property
+    def controller_id(self) -> str: ...
+
+    def propose(self, messages: Sequence[ChatMessage], slot: int) -> ChatReply: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    temperature: float = 0.8
+    max_tokens: int = 700
+    seed: int = 0
+
+
+class ChatController:
+    """A controller on a chat client (HTTP or local), with a reply cache."""
+
+    def __init__(self, client: TeacherClient, settings: ControllerSettings, cache: ReplyCache | None = None) -> None:
+        self.client = client
+        self.settings = settings
+        self.cache = cache
+        self.calls = 0  # backend calls made by this process (cache hits excluded)
+
+    @property
+    def controller_id(self) -> str:
+        return self.client.backend_id
+
+    def request(self, messages: Sequence[ChatMessage], slot: int) -> ChatRequest:
+        decoding = Decoding(temperature=self.settings.temperature, max_tokens=self.settings.max_tokens,
+                            seed=self.settings.seed)
+        return ChatRequest(stage=CONTROLLER_STAGE, messages=tuple(messages), schema=ReplySchema(fields=()),
+                           decoding=decoding, sample_index=slot)
+
+    def propose(self, messages: Sequence[ChatMessage], slot: int) -> ChatReply:
+        request = self.request(messages, slot)
+        key = request.cache_key(CONTROLLER_STAGE, self.client.backend_id)
+        if self.cache is not None and (cached := self.cache.get(key)) is not None:
+            return cached
+        reply = self.client.complete(request)
+        self.calls += 1
+        if self.cache is not None:
+            self.cache.put(key, reply, stage=CONTROLLER_STAGE)
+        return reply
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class ScriptedController:
+    """A controller with scripted replies, for tests only: `script(messages, slot)` if given, else the
+    `replies` in call order (the last one repeats). `seen` records every prompt it was shown."""
+
+    def __init__(self, *replies: str, script: Callable[[Sequence[ChatMessage], int], str] | None = None,
+                 controller_id: str = "scripted-controller") -> None:
+        self.replies = list(replies) or ["{}"]
+        self.script = script
+        self._id = controller_id
+        self.seen: list[tuple[ChatMessage, ...]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def controller_id(self) -> str:
+        return self._id
+
+    def propose(self, messages: Sequence[ChatMessage], slot: int) -> ChatReply:
+        with self._lock:
+            self.seen.append(tuple(messages))
+            text = self.script(messages, slot) if self.script is not None else \
+                self.replies[min(len(self.seen) - 1, len(self.replies) - 1)]
+        return ChatReply(text=text, prompt_tokens=sum(len(m.content.split()) for m in messages),
+                         completion_tokens=len(text.split()))
+
+    def close(self) -> None:
+        pass
+
+
+class LocalChatClient:
+    """Free-text chat generation on an in-process transformers model (the local controller).
+
+    Unlike the teacher's local backend it does not build a JSON skeleton: the controller must write the
+    proposal itself, which is exactly what is being tested of it. Sampling is seeded per request (`seed` +
+    sample index); calls are serialised (one model)."""
+
+    def __init__(self, model_name: str = "smollm2-135m", dtype: str = "bfloat16", *, model=None,  # noqa: ANN001
+                 tokenizer=None) -> None:
+        from eviback.policy import load_model, load_tokenizer
+
+        self.model_name = model_name
+        self.dtype = dtype
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_name, dtype)
+        self.model = model if model is not None else load_model(model_name, dtype)
+        self._lock = threading.Lock()
+
+    @property
+    def backend_id(self) -> str:
+        return f"local-chat:{self.model_name}:{self.dtype}"
+
+    def complete(self, request: ChatRequest) -> ChatReply:
+        import time
+
+        import torch
+
+        start = time.perf_counter()
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        decoding = request.decoding
+        with self._lock, torch.inference_mode():
+            torch.manual_seed(request.seed if request.seed is not None else request.sample_index)
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=decoding.max_tokens,
+                do_sample=decoding.temperature > 0, temperature=decoding.temperature or None,
+                top_p=decoding.top_p if decoding.temperature > 0 else None, top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id)
+        new = out[0, ids.shape[1]:]
+        reply = self.tokenizer.decode(new, skip_special_tokens=True)
+        return ChatReply(text=reply, prompt_tokens=int(ids.shape[1]), completion_tokens=int(new.shape[0]),
+                         latency_s=time.perf_counter() - start,
+                         truncated=int(new.shape[0]) >= decoding.max_tokens)
+
+    def close(self) -> None:
+        pass

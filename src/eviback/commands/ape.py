@@ -1,0 +1,123 @@
+"""Build the teacher policy automatically from constraints (E2E-APE, EVIBACK.md section 5).
+
+  eviback ape DUMP [DUMP ...] --out runs/ape                 rollouts from eval / train dumps
+  eviback ape --probes 300 --suite DATA --out runs/ape       probe rollouts with known sufficiency
+  eviback ape ... --spec my-spec.yaml                        your constraints (default: the packaged spec)
+  eviback ape --write-spec my-spec.yaml                      copy the default spec to edit
+
+The rollouts are split by question into train / validation / sealed test. Candidate workflows (the seed
+policies, systematic structural variants, and proposals of a controller LLM refined from training failures)
+are rejected statically when gold could reach Stage A, then gated on the validation split (I overturned,
+schema, errors, cost, canaries planted in gold, stability under reordered evidence, paraphrased questions and
+repeated sampling, each on a lower confidence bound); the best feasible one on agreement with the
+sufficiency labels wins, ties to the cheaper. The test split is opened once, for the comparison of the winner
+with the manual single-prompt dual-task policy. The winner is frozen as OUT/teacher.json, loadable by
+`eviback judge --policy OUT/teacher.json` and by `eviback train` (`teacher: OUT/teacher.json`).
+
+OUT holds events.jsonl (append-only; rerun the same command to resume an interrupted run: nothing paid is
+paid again, the replies are cached in OUT/cache.sqlite), spec.yaml, result.json and report.md.
+Exit status: 0 with a frozen winner, 1 when no candidate passed the gates, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "construct the teacher policy from constraints (E2E-APE) and freeze the winner"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dumps", nargs="*", help="rollout dumps: eval items.jsonl, train groups.jsonl, or JSONL "
+                                                  "trajectories")
+    parser.add_argument("--out", help="run directory (rerun with the same --out to resume)")
+    parser.add_argument("--spec", help="constraint spec YAML (default: the packaged default spec)")
+    parser.add_argument("--write-spec", metavar="FILE", help="write the default spec to FILE and exit")
+    data = parser.add_argument_group("probe rollouts")
+    data.add_argument("--probes", type=int, default=0, help="probe rollouts with known sufficiency to add")
+    data.add_argument("--suite", help="data suite directory for the probes (default: the embedded one)")
+    data.add_argument("--probe-datasets", default="nq,popqa,hotpotqa",
+                      help="benchmarks the probes are drawn from (comma-separated; default nq,popqa,hotpotqa)")
+    data.add_argument("--probe-seed", type=int, default=0, help="seed of the probe construction")
+    teacher = parser.add_argument_group("teacher backend")
+    teacher.add_argument("--backend", choices=("local", "http"), default="local",
+                         help="local: in-process transformers model; http: an OpenAI-compatible server")
+    teacher.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="teacher server URL (ends in /v1)")
+    teacher.add_argument("--model", default="", help="served teacher model name (default: the server's first)")
+    teacher.add_argument("--structured-output", default="response_format",
+                         choices=("response_format", "structured_outputs", "json_object", "none"),
+                         help="how the teacher server is asked for JSON (see `eviback judge --help`)")
+    teacher.add_argument("--timeout", type=float, default=120.0, help="seconds per teacher call (default 120)")
+    teacher.add_argument("--local-model", default="smollm2-135m", help="model of the local backends")
+    teacher.add_argument("--dtype", default="bfloat16", help="dtype of the local backends' model")
+    teacher.add_argument("--threads", type=int, help="torch threads of the local backends")
+    teacher.add_argument("--concurrency", type=int, default=8, help="rollouts judged at once (default 8)")
+    teacher.add_argument("--max-attempts", type=int, default=3, help="attempts per stage call (default 3)")
+    teacher.add_argument("--cache", default="cache.sqlite",
+                         help="reply cache, relative to --out or absolute (default OUT/cache.sqlite)")
+    control = parser.add_argument_group("controller")
+    control.add_argument("--controller", choices=("local", "http", "none"), default="local",
+                         help="the controller LLM: the local model (default), an OpenAI-compatible endpoint, "
+                              "or none (seeds and systematic variants only)")
+    control.add_argument("--controller-base-url", default="http://127.0.0.1:8000/v1", help="controller server URL")
+    control.add_argument("--controller-model", default="", help="served controller model name")
+    control.add_argument("--controller-api-key-env", default="OPENAI_API_KEY",
+                         help="environment variable holding the controller's API key")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eviback.ape.spec import default_spec_text, load_spec
+
+    if args.write_spec:
+        from pathlib import Path
+
+        path = Path(args.write_spec)
+        if path.exists():
+            raise FileExistsError(f"{path} exists; choose another file for the spec")
+        path.write_text(default_spec_text(), encoding="utf-8")
+        print(f"wrote the default E2E-APE spec to {path}; edit it and pass --spec {path}")
+        return 0
+    if not args.out:
+        raise ValueError("give --out DIR for the run (or --write-spec FILE)")
+    spec = load_spec(args.spec)
+    config = _config(args)
+    from eviback.ape.pipeline import run_ape
+    from eviback.ape.report import comparison_rows
+
+    result = run_ape(config, spec)
+    winner = result.selection.winner if result.selection else None
+    if result.test is not None:
+        t = result.test
+        print(f"\nsealed test: winner {t.winner} {t.winner_name} vs manual {t.baseline_name}")
+        for metric, a, b in comparison_rows(t):
+            print(f"  {metric:62s} {a:40s} {b}")
+    if winner is None:
+        print(f"no candidate passed every gate; see {config.out}/report.md for each reason", file=sys.stderr)
+        return 1
+    print(f"\nwinner {winner}: frozen {result.frozen_path} version {result.frozen_version[:12]}\n"
+          f"use it: eviback judge DUMP --policy {result.frozen_path}@{result.frozen_version[:12]}")
+    return 0
+
+
+def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
+    from eviback.ape.pipeline import ApeConfig, ControllerConfig
+    from eviback.teacher import HttpBackendConfig, JudgeConfig, RetryConfig, TeacherConfig
+    from eviback.teacher.local import LocalBackendConfig
+
+    teacher = TeacherConfig(
+        backend=args.backend,
+        http=HttpBackendConfig(base_url=args.base_url, model=args.model, structured_output=args.structured_output,
+                               timeout_s=args.timeout, max_connections=max(args.concurrency, 1)),
+        local=LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads),
+        judge=JudgeConfig(concurrency=args.concurrency, retry=RetryConfig(max_attempts=args.max_attempts)),
+        cache="",  # the run's own cache (ApeConfig.cache) is used
+    )
+    controller = ControllerConfig(
+        kind=args.controller,
+        http=HttpBackendConfig(base_url=args.controller_base_url, model=args.controller_model,
+                               api_key_env=args.controller_api_key_env, structured_output="none",
+                               timeout_s=args.timeout),
+        local_model=args.local_model, dtype=args.dtype)
+    return ApeConfig(out=args.out, dumps=tuple(args.dumps), probes=args.probes, suite=args.suite,
+                     probe_datasets=tuple(d.strip() for d in args.probe_datasets.split(",") if d.strip()),
+                     probe_seed=args.probe_seed, teacher=teacher, controller=controller, cache=args.cache)

@@ -1,0 +1,125 @@
+"""E2E-APE data: the deterministic, disjoint split by question; the sealed test split; labels; perturbations."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from eviback.ape.rollouts import (
+    SealedError,
+    SealedSplit,
+    Split,
+    as_rollouts,
+    keep_all_zero,
+    paraphrase_question,
+    read_dump,
+    reorder_evidence,
+    reword,
+    split_of,
+    split_rollouts,
+    subset,
+    sufficiency_label,
+)
+from eviback.data import write_jsonl
+from eviback.teacher.probes import build_probes
+from eviback.teacher.workflow import blind_view
+from eviback.types import to_dict
+
+
+@pytest.fixture(scope="module")
+def probes():
+    return build_probes(60, seed=5)
+
+
+def test_labels_follow_the_gold_passages(probes):
+    for p in probes:
+        assert sufficiency_label(p.trajectory) is p.evidence_sufficient
+    t = probes[0].trajectory
+    unlabelled = dataclasses.replace(t, question=dataclasses.replace(t.question, metadata={}))
+    assert sufficiency_label(unlabelled) is None
+
+
+def test_split_is_deterministic_disjoint_and_order_independent(probes):
+    rollouts, dropped = as_rollouts([p.trajectory for p in probes])
+    assert dropped == 0 and len(rollouts) == 60
+    a = split_rollouts(rollouts, salt="s", train=0.5, validation=0.25)
+    shuffled = list(rollouts)
+    random.Random(1).shuffle(shuffled)
+    b = split_rollouts(shuffled, salt="s", train=0.5, validation=0.25)
+    assert a.infos() == b.infos()  # same hashes whatever the input order
+    test = a.test.unseal("selection@1")
+    qids = [{r.question_id for r in part} for part in (a.train, a.validation, test)]
+    assert not (qids[0] & qids[1]) and not (qids[0] & qids[2]) and not (qids[1] & qids[2])
+    assert sum(i.rollouts for i in a.infos()) == 60 and all(i.rollouts > 0 for i in a.infos())
+    for r in rollouts:  # every rollout of a question is in that question's split
+        assert split_of(r.question_id, "s", 0.5, 0.25) in {Split.TRAIN, Split.VALIDATION, Split.TEST}
+    c = split_rollouts(rollouts, salt="other", train=0.5, validation=0.25)
+    assert c.infos()[0].sha256 != a.infos()[0].sha256  # another salt is another split
+    # a second rollout of a known question follows it into the same split
+    extra = dataclasses.replace(rollouts[0].trajectory, sample_index=4, answer="another answer")
+    more, _ = as_rollouts([*(r.trajectory for r in rollouts), extra])
+    d = split_rollouts(more, salt="s", train=0.5, validation=0.25)
+    home = [part for part in (d.train, d.validation, d.test.unseal("x")) if any(
+        r.question_id == rollouts[0].question_id for r in part)]
+    assert len(home) == 1 and sum(r.question_id == rollouts[0].question_id for r in home[0]) == 2
+
+
+def test_sealed_split_opens_for_one_selection_only(probes):
+    rollouts, _ = as_rollouts([p.trajectory for p in probes[:10]])
+    sealed = SealedSplit(rollouts)
+    assert len(sealed) == 10 and sealed.info.rollouts == 10
+    with pytest.raises(SealedError):
+        sealed.unseal("")
+    assert sealed.unseal("selection@7") == sealed.unseal("selection@7")  # a resumed run re-reads it
+    with pytest.raises(SealedError, match="already read"):
+        sealed.unseal("selection@8")
+
+
+def test_subset_is_deterministic(probes):
+    rollouts, _ = as_rollouts([p.trajectory for p in probes])
+    a = subset(rollouts, 10, "x")
+    assert a == subset(list(reversed(rollouts)), 10, "x") and len(a) == 10
+    assert subset(rollouts, 100, "x") == tuple(sorted(rollouts, key=lambda r: r.key))
+
+
+def test_reordered_evidence_keeps_the_passages_in_another_order(probes):
+    for p in probes[:10]:
+        t = p.trajectory
+        r = reorder_evidence(t, "salt")
+        before, after = blind_view(t).evidence, blind_view(r).evidence
+        assert sorted(x.id for x in before) == sorted(x.id for x in after)
+        assert [x.id for x in before] != [x.id for x in after]
+        assert sufficiency_label(r) == sufficiency_label(t)
+        assert r.evidence[0].contents.split("\n")[0].strip('"') in r.turns[0].observation
+    single = dataclasses.replace(probes[0].trajectory.turns[0], passages=probes[0].trajectory.turns[0].passages[:1])
+    t1 = dataclasses.replace(probes[0].trajectory, turns=(single,) + probes[0].trajectory.turns[1:])
+    assert reorder_evidence(t1) is None  # one passage has no other order: not counted
+
+
+def test_paraphrases_reword_and_given_paraphrases_win(probes):
+    t = probes[0].trajectory
+    p = paraphrase_question(t)
+    assert p.question.question != t.question.question and p.question.golden_answers == t.question.golden_answers
+    assert reword("What's the capital of France?", "k").lower().count("what is the capital of france") == 1
+    given = paraphrase_question(t, {t.question.id: "A different wording?"})
+    assert given.question.question == "A different wording?"
+
+
+def test_read_dump_formats(tmp_path, probes):
+    ts = [p.trajectory for p in probes[:4]]
+    write_jsonl(tmp_path / "bare.jsonl", (to_dict(t) for t in ts))
+    write_jsonl(tmp_path / "eval.jsonl", ({"benchmark": "nq", "trajectory": to_dict(t)} for t in ts))
+    (tmp_path / "groups.jsonl").write_text("\n".join(json.dumps(
+        {"question_id": t.question.id, "trajectories": [{"trajectory": to_dict(t)}, to_dict(t)]}) for t in ts[:2]) + "\n")
+    assert read_dump(tmp_path / "bare.jsonl") == ts == read_dump(tmp_path / "eval.jsonl")
+    groups = read_dump(tmp_path / "groups.jsonl")
+    assert len(groups) == 4 and as_rollouts(groups)[1] == 2  # exact duplicates dropped, and counted
+
+
+def test_all_zero_filter(probes):
+    t = probes[0].trajectory
+    hit = dataclasses.replace(t, answer=t.question.golden_answers[0], sample_index=1)
+    other = probes[1].trajectory
+    assert other.question.id != t.question.id
+    assert keep_all_zero([t, hit, other]) == [other]  # t's group has a verified hit: not an all-zero group

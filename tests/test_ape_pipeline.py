@@ -1,0 +1,215 @@
+"""The E2E-APE run end to end with a scripted teacher and a scripted controller (the logic, not the model):
+static rejection before any call, gates, selection, the sealed test split, canaries, the frozen winner, the
+report, and resuming (also after an interruption) without repeating a paid call."""
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+
+from eviback.ape import ApeConfig, ControllerConfig, ScriptedController, run_ape
+from eviback.ape.events import EventLog, Selected, UnsealedTest
+from eviback.ape.gates import Phase
+from eviback.ape.rollouts import as_rollouts, split_rollouts
+from eviback.ape.spec import spec_from_mapping
+from eviback.data import write_jsonl
+from eviback.teacher.boundary import plant_canaries
+from eviback.teacher.config import TeacherConfig
+from eviback.teacher.fakes import ScriptedClient, default_reply
+from eviback.teacher.judge import JudgeConfig
+from eviback.teacher.policy import load_policy, read_artifact
+from eviback.teacher.probes import build_probes
+from eviback.types import to_dict
+
+SPEC = {"stability": {"rollouts": 16, "bootstrap_resamples": 200},
+        "search": {"rounds": 2, "max_candidates": 20, "proposals_per_round": 2},
+        "objective": {"min_labelled": 5}}
+MARKER = "LEAK-MARKER-7"
+PROPOSALS = {
+    100: "I think the prompt should be clearer.",  # no JSON: rejected with the reason
+    101: '{"stages": [{"name": "A", "sees": ["question", "evidence", "gold"], "user_template": '
+         '"' + MARKER + ' $question $evidence $gold"}]}',  # gold in Stage A: rejected before any call
+    200: '{"stages": [{"name": "A", "user_template": "Q: $question\\nP: $evidence\\nEnough? S or I."}]}',
+    201: '{"stages": [{"name": "A", "user_template": "Q: $question\\nP: $evidence\\nEnough? S or I."}]}',
+}
+
+
+class Oracle:
+    """A scripted teacher that says S exactly when a gold passage is in the request; sampled stages flip a
+    third of their verdicts on samples > 0. Records what it was asked, and whether a selection had happened."""
+
+    def __init__(self, trajectories, *, constant=None, stop_after=None):
+        self.gold = {p.text[:60] for t in trajectories for p in t.evidence if p.id in t.question.gold_passage_ids}
+        self.constant = constant
+        self.stop_after = stop_after
+        self.selected = False
+        self.log = []  # (request, selected yet?)
+        self.client = ScriptedClient(self.script)
+        self.paid = 0
+
+    def script(self, request):
+        if self.stop_after is not None and self.paid >= self.stop_after:
+            raise KeyboardInterrupt  # the run is killed in the middle of a condition
+        self.paid += 1
+        self.log.append((request, self.selected))
+        user = request.messages[-1].content
+        status = self.constant or ("S" if any(g in user for g in self.gold) else "I")
+        if request.decoding.temperature > 0 and request.sample_index > 0 and \
+                int(hashlib.sha256(user.encode()).hexdigest(), 16) % 3 == 0:
+            status = "I" if status == "S" else "S"
+        if request.schema.statuses and status not in [s.value for s in request.schema.statuses]:
+            status = request.schema.statuses[-1].value
+        return default_reply(request, status=status, answer="an answer")
+
+    def progress(self, message):
+        if message.startswith("selected"):
+            self.selected = True
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    planted, canaries = plant_canaries([p.trajectory for p in build_probes(80, seed=3)], seed=9)
+    path = tmp_path_factory.mktemp("ape") / "dump.jsonl"
+    write_jsonl(path, (to_dict(t) for t in planted))
+    return path, planted, canaries
+
+
+def controller():
+    return ScriptedController(script=lambda messages, slot: PROPOSALS.get(slot, "{}"))
+
+
+def config(out, dump, **kw):
+    return ApeConfig(out=str(out), dumps=(str(dump),), teacher=TeacherConfig(judge=JudgeConfig(concurrency=1)),
+                     controller=ControllerConfig(kind="none"), **kw)
+
+
+@pytest.fixture(scope="module")
+def run(data, tmp_path_factory):
+    dump, planted, canaries = data
+    out = tmp_path_factory.mktemp("run")
+    oracle, ctl = Oracle(planted), controller()
+    result = run_ape(config(out, dump), spec_from_mapping(SPEC), client=oracle.client, controller=ctl,
+                     progress=oracle.progress)
+    return out, result, oracle, ctl
+
+
+def test_a_winner_is_selected_frozen_and_loadable(run):
+    out, result, oracle, _ = run
+    sel = result.selection
+    assert sel.winner is not None and sel.winner in sel.non_dominated
+    winner = result.record(sel.winner)
+    assert winner.outcome == "feasible" and winner.metrics.sufficiency.balanced_agreement == 1.0
+    # every feasible candidate scores 1.0 here: the tie goes to the cheapest
+    feasible = [r for r in result.candidates if r.outcome == "feasible"]
+    assert winner.metrics.cost.tokens_per_rollout == min(r.metrics.cost.tokens_per_rollout for r in feasible)
+    policy = load_policy(f"{result.frozen_path}@{result.frozen_version[:12]}")
+    assert policy == winner.candidate.policy and not policy.boundary_violations()
+    artifact = read_artifact(result.frozen_path)
+    assert artifact.provenance["gate_report"]["results"] and artifact.provenance["candidate"] == sel.winner
+    assert [s["sha256"] for s in artifact.provenance["splits"]] == [s.sha256 for s in result.identity.splits]
+    assert artifact.provenance["sealed_test_metrics"]["split"] == "test"
+    report = (out / "report.md").read_text()
+    assert f"**Winner: {sel.winner}" in report and "## Sealed test" in report
+    assert json.loads((out / "result.json").read_text())["schema_version"] == 1
+
+
+def test_leaky_candidates_are_rejected_before_any_call(run):
+    _, result, oracle, _ = run
+    leaky_seed = result.record("s1")
+    assert leaky_seed.outcome == "rejected" and leaky_seed.phase is Phase.STATIC and leaky_seed.metrics is None
+    leaky_proposal = result.record("r1.p1")
+    assert leaky_proposal.phase is Phase.STATIC and "evidence boundary" in leaky_proposal.reasons[0]
+    assert not any(MARKER in m.content for r, _ in oracle.log for m in r.messages)
+    # the manual baseline's single stage ("judge") is only ever called on the sealed test, for the comparison
+    assert all(after for r, after in oracle.log if r.stage == "judge")
+
+
+def test_unusable_proposals_are_recorded_and_the_search_goes_on(run):
+    _, result, _, ctl = run
+    rejected = {p.id: p for p in result.rejected_proposals}
+    assert "no JSON object" in rejected["r1.p0"].reason and rejected["r1.p0"].excerpt.startswith("I think")
+    assert result.record("r2.p0").outcome == "feasible"
+    assert "duplicate of r2.p0" in result.record("r2.p1").reasons[0]
+    assert any(r.candidate.origin.value == "mutation" and r.candidate.round > 0 for r in result.candidates)
+    assert len(ctl.seen) == 4
+
+
+def test_gates_reject_an_unstable_candidate(run):
+    _, result, _, _ = run
+    sampled = next(r for r in result.candidates if r.candidate.note == "sampled")
+    assert sampled.outcome == "rejected" and sampled.phase is Phase.STABILITY
+    assert any("repeated_sampling" in x or "repeated sampling" in x for x in sampled.reasons)
+
+
+def test_sealed_test_is_read_only_after_selection_and_canaries_catch_the_baseline(run, data):
+    out, result, oracle, _ = run
+    _, planted, canaries = data
+    rollouts, _ = as_rollouts(planted)
+    test = split_rollouts(rollouts, salt="eviback-ape-v1", train=0.5, validation=0.25).test.unseal("t")
+    test_texts = {r.trajectory.question.question[1:].rstrip("?") for r in test}
+    before = [r for r, after in oracle.log if not after]
+    assert before and not any(t in m.content for r in before for m in r.messages for t in test_texts)
+    events = [e.event for e in EventLog(out / "events.jsonl").events]
+    kinds = [type(e) for e in events]
+    assert kinds.index(Selected) < kinds.index(UnsealedTest) and kinds.count(UnsealedTest) == 1
+    t = result.test
+    assert t.winner_metrics.boundary.gold_leaks == 0 and t.winner_metrics.boundary.audited_requests > 0
+    assert t.baseline_metrics.boundary.gold_leaks == t.baseline_metrics.boundary.audited_requests > 0
+    assert t.winner_report.passed and not t.baseline_report.passed
+    # the planted dump's own canaries never reached a gold-blind stage, nor the controller
+    assert not any(c in m.content for r, _ in oracle.log if r.stage == "A" for m in r.messages for c in canaries)
+    _, _, _, ctl = run
+    assert not any(c in m.content for seen in ctl.seen for m in seen for c in canaries)
+
+
+def test_a_rerun_replays_the_log_without_a_call(run, data):
+    out, result, _, _ = run
+    before = (out / "result.json").read_text()
+    oracle = Oracle(data[1])
+    again = run_ape(config(out, data[0]), spec_from_mapping(SPEC), client=oracle.client, controller=controller(),
+                    progress=oracle.progress)
+    assert oracle.paid == 0 and again == result and (out / "result.json").read_text() == before
+
+
+def test_an_interrupted_run_resumes_without_repeating_paid_calls(data, tmp_path):
+    dump, planted, _ = data
+    spec = spec_from_mapping(SPEC)
+    reference = Oracle(planted)
+    expected = run_ape(config(tmp_path / "ref", dump), spec, client=reference.client, controller=controller(),
+                       progress=reference.progress)
+    first = Oracle(planted, stop_after=reference.paid // 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_ape(config(tmp_path / "cut", dump), spec, client=first.client, controller=controller(),
+                progress=first.progress)
+    second = Oracle(planted)
+    resumed = run_ape(config(tmp_path / "cut", dump), spec, client=second.client, controller=controller(),
+                      progress=second.progress)
+    assert first.paid + second.paid == reference.paid  # nothing paid twice
+    # the same run, except the count of calls logged (the cut condition's calls were paid before the cut)
+    assert dataclasses.replace(resumed, teacher_calls=0, frozen_path="") == \
+        dataclasses.replace(expected, teacher_calls=0, frozen_path="")
+    assert read_artifact(resumed.frozen_path).version == read_artifact(expected.frozen_path).version
+
+
+def test_resume_refuses_another_spec(run, data):
+    out, _, _, _ = run
+    other = spec_from_mapping({**SPEC, "cost": {"max_tokens_per_rollout": 999}})
+    with pytest.raises(ValueError, match="another E2E-APE run"):
+        run_ape(config(out, data[0]), other, client=Oracle(data[1]).client, controller=controller())
+
+
+def test_no_feasible_candidate_keeps_the_test_sealed(data, tmp_path):
+    dump, planted, _ = data
+    constant = Oracle(planted, constant="S")  # says S to everything: kappa undefined, a constant teacher
+    spec = spec_from_mapping({**SPEC, "search": {"rounds": 2, "mutations": ["binary-status"],
+                                                 "acceptance": "improves-on-feedback"}})
+    result = run_ape(config(tmp_path, dump), spec, client=constant.client, controller=controller(),
+                     progress=constant.progress)
+    assert result.selection.winner is None and result.test is None and result.frozen_path == ""
+    assert not (tmp_path / "teacher.json").exists()
+    assert not EventLog(tmp_path / "events.jsonl").of(UnsealedTest)
+    assert any("constant teacher" in x for r in result.candidates for x in r.reasons)
+    assert "No candidate passed every gate" in (tmp_path / "report.md").read_text()
+    accepted = result.record("r2.p0")  # GEPA's acceptance: judged on the training feedback rollouts first
+    assert accepted.feedback_objective == 0.5 and accepted.phase is Phase.STABILITY
