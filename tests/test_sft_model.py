@@ -131,3 +131,20 @@ def test_tiny_warm_start_learns_saves_and_is_reused(tmp_path, tokenizer, retriev
     stamp = (path / sft.REPORT_FILE).stat().st_mtime_ns
     assert sft.warm_start(config, retriever=retriever) == path
     assert (path / sft.REPORT_FILE).stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_cli_dry_run_counts_examples():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "eviback.cli", "sft", "--dry-run", "--no-progress", "--train-files", "popqa_train",
+         "musique_train", "--max-examples", "10"],
+        capture_output=True, text=True, check=True,
+    )
+    counts = json.loads(result.stdout[: result.stdout.index("\n}\n") + 2])
+    selected = counts["selected"]
+    assert selected["total"] == 10 and selected["multi"] + selected["retry"] == 3 and selected["multi"] >= 1
+    assert set(counts["build"]["considered"]) == {"popqa", "musique"}
+    assert "<search>" in result.stdout and "</answer>" in result.stdout
