@@ -14,6 +14,12 @@ TEST_KV_CACHE_GIB = 1
 
 
 @pytest.fixture(scope="session")
+def vllm_kv_cache_gib() -> float:
+    """The KV cache of the session's engine: pass it to code under test so that it reuses that engine."""
+    return TEST_KV_CACHE_GIB
+
+
+@pytest.fixture(scope="session")
 def vllm_backend():
     pytest.importorskip("vllm")
     from eviback.generation import BackendConfig, load_backend
@@ -25,4 +31,5 @@ def vllm_backend():
 def hf_backend():
     from eviback.generation.hf import HFBackend
 
-    return HFBackend.load("smollm2-135m", dtype="bfloat16")
+    # One thread while generating: on a shared 2-core machine two OpenMP threads stall each other.
+    return HFBackend.load("smollm2-135m", dtype="bfloat16", threads=1)

@@ -35,8 +35,8 @@ def forward_logprobs(model, prompt: list[int], completion: list[int]) -> torch.T
 def test_finish_reasons(which, prompts, request):
     backend = request.getfixturevalue(f"{which}_backend")
     tok = backend.tokenizer
-    length, stop, long = backend.generate(
-        prompts[:3], SamplingConfig(max_tokens=200, temperature=0, stop=(".",)), max_tokens=[4, 200, 200])
+    length, stop = backend.generate(
+        prompts[:2], SamplingConfig(max_tokens=80, temperature=0, stop=(".",)), max_tokens=[4, 80])
     assert length.finish_reason is FinishReason.LENGTH and len(length.token_ids) == 4
     assert stop.finish_reason is FinishReason.STOP and "." in tok.decode(stop.token_ids[-1:])
     assert stop_cut(tok, list(stop.token_ids), (".",)) == len(stop.token_ids)  # nothing sampled after the stop
@@ -107,3 +107,14 @@ def test_weight_push_into_running_vllm(vllm_backend, hf_backend, prompts):
         vllm_backend.update_weights(original)
         hf_backend.update_weights(original)
     assert [o.token_ids for o in vllm_backend.generate(prompts, params)] == before
+
+
+def test_engine_leaves_thread_control_to_the_process(vllm_backend):
+    """vLLM's CPU worker disables torch.set_num_threads process-wide; the backend puts it back (an
+    in-process trainer must keep control of its threads)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -83,6 +83,7 @@ class TurnTiming:
     turn: int
     active: int  # trajectories that generated in this turn
     context_tokens: int  # prompt + history tokens fed to the backend, summed over the batch
+    cached_context_tokens: int  # of those, served from the backend's prefix cache (vLLM) instead of recomputed
     generated_tokens: int
     searches: int
     generate_s: float
@@ -266,6 +267,7 @@ class RolloutEngine:
             turn=turn,
             active=len(runnable),
             context_tokens=sum(len(c) for c in contexts),
+            cached_context_tokens=sum(c.cached_prompt_tokens for c in completions),
             generated_tokens=sum(len(c.token_ids) for c in completions),
             searches=len(searching),
             generate_s=generate_s,

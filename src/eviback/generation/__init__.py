@@ -28,7 +28,7 @@ class BackendConfig:
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vllm on CPU: KV cache GiB (default: $VLLM_CPU_KVCACHE_SPACE or 2)"})
     executor: str = field(default="inprocess", metadata={"help": "vllm: inprocess, multiprocess or external_launcher"})
     hf_batch_size: int = field(default=16, metadata={"help": "hf: sequences per generate call"})
-    threads: int | None = field(default=None, metadata={"help": "torch threads (None: torch's default; on a loaded machine 1 can beat 2)"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (None: the backend's default: vllm 1 while generating, hf torch's own)"})
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -52,7 +52,7 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
         max_model_len=config.max_model_len,
         kv_cache_gib=config.kv_cache_gib,
         executor=config.executor,
-        threads=config.threads,
+        **({"threads": config.threads} if config.threads is not None else {}),
     ))
 
 

@@ -69,6 +69,7 @@ class Completion:
     text: str
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
+    cached_prompt_tokens: int = 0  # prompt tokens served from a prefix cache (vLLM), not recomputed
 
 
 @runtime_checkable

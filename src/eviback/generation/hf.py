@@ -61,10 +61,13 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, batch_size: int = 16) -> None:  # noqa: ANN001 - HF model/tokenizer
+    def __init__(self, model, tokenizer, batch_size: int = 16, threads: int | None = None) -> None:  # noqa: ANN001
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for torch's setting), got {threads}")
         self.model = model
+        self.threads = threads
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_context = int(getattr(model.config, "max_position_embeddings", 4096))
@@ -73,9 +76,12 @@ class HFBackend:
 
     @classmethod
     def load(cls, model: str, dtype: str = "bfloat16", threads: int | None = None, batch_size: int = 16) -> HFBackend:
+        """Load `model` (see `eviback.policy`). `threads`: torch threads while generating, restored after
+        each call (None: the process's setting). On a 2-core machine shared with other jobs, 1 thread was
+        several times faster than 2 (OpenMP threads spin-waiting for a busy core)."""
         from eviback.policy import load_model, load_tokenizer
 
-        return cls(load_model(model, dtype, threads), load_tokenizer(model, dtype), batch_size)
+        return cls(load_model(model, dtype), load_tokenizer(model, dtype), batch_size, threads)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingConfig, max_tokens: Sequence[int] | None = None
@@ -87,11 +93,17 @@ class HFBackend:
         # Similar lengths share a micro-batch, so little compute goes to padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
-            for i, out in zip(chunk, outs, strict=True):
-                results[i] = out
+        before = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        try:
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
+                for i, out in zip(chunk, outs, strict=True):
+                    results[i] = out
+        finally:
+            torch.set_num_threads(before)
         return [r for r in results if r is not None]
 
     @torch.no_grad()

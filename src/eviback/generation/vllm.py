@@ -19,11 +19,14 @@ version). `executor="external_launcher"` is TRL's colocate set-up for torchrun/a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +52,7 @@ class VllmConfig:
     seed: int = field(default=0, metadata={"help": "engine seed (vLLM takes it on the engine, not per request)"})
     prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV of earlier turns (what makes multi-turn cheap)"})
     executor: str = field(default="inprocess", metadata={"help": "inprocess (weight push, reseed), multiprocess, or external_launcher (torchrun/accelerate)"})
-    threads: int | None = field(default=None, metadata={"help": "in-process: torch threads for compute (None: torch's default); on a loaded machine 1 can beat 2"})
+    threads: int | None = field(default=1, metadata={"help": "CPU, in-process: torch threads while generating (restored after each call); 1, as vLLM's own CPU engine computes, was 1.5-4x faster than 2 on a loaded 2-core machine; None: leave as is"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,20 +92,34 @@ class VllmBackend:
 
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
+        self._cpu = current_platform.is_cpu()
+        if not self._cpu:
             extra["gpu_memory_utilization"] = config.gpu_memory_utilization
         log.info("starting vLLM (%s, %s, %s executor, KV cache %s GiB); this takes about a minute",
                  config.model, config.dtype, config.executor, os.environ["VLLM_CPU_KVCACHE_SPACE"])
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; in-process
         # that would silently take thread control from the trainer sharing it, so the original is put back.
         set_num_threads = torch.set_num_threads
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        try:
-            self.llm = self._start(path, extra)
-        finally:
-            torch.set_num_threads = set_num_threads
+        hide = config.executor != "multiprocess" and self._cpu
+        with self._threads(), _modules_hidden(_unscannable_modules() if hide else []):
+            try:
+                self.llm = self._start(path, extra)
+            finally:
+                torch.set_num_threads = set_num_threads  # before _threads() restores the caller's count
         self._lock = threading.Lock()  # one generate/update at a time: the engine is not re-entrant
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """Compute with `config.threads` torch threads (in-process on CPU), then restore the caller's."""
+        if self.config.threads is None or self.config.executor == "multiprocess" or not self._cpu:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.config.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _start(self, path: str, extra: dict):  # noqa: ANN202 - a vllm.LLM
         from vllm import LLM
@@ -148,11 +165,11 @@ class VllmBackend:
                 skip_special_tokens=True,
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        with self._lock:
+        with self._lock, self._threads():
             outputs = self.llm.generate(requests, [by_cap[c] for c in caps], use_tqdm=False)
-        return [self._completion(out.outputs[0], params) for out in outputs]
+        return [self._completion(out.outputs[0], params, out.num_cached_tokens or 0) for out in outputs]
 
-    def _completion(self, output, params: SamplingConfig) -> Completion:  # noqa: ANN001 - vllm CompletionOutput
+    def _completion(self, output, params: SamplingConfig, cached: int) -> Completion:  # noqa: ANN001 - vllm CompletionOutput
         ids = tuple(output.token_ids)
         if output.finish_reason == "length":
             reason = FinishReason.LENGTH
@@ -166,7 +183,7 @@ class VllmBackend:
         # Decoded here, not taken from vLLM's text: vLLM cuts its text at the stop string while the ids
         # keep the whole last token; the text must be what the ids say.
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return Completion(token_ids=ids, text=text, logprobs=logprobs, finish_reason=reason)
+        return Completion(token_ids=ids, text=text, logprobs=logprobs, finish_reason=reason, cached_prompt_tokens=cached)
 
     def reseed(self, seed: int) -> None:
         """Reset the sampler's RNG. In-process the sampler draws from this process's torch generator;
@@ -187,6 +204,11 @@ class VllmBackend:
             worker.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
             self.llm.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks use it to time cold prompts)."""
+        with self._lock:
+            self.llm.reset_prefix_cache()
+
     def close(self) -> None:
         """Shut the engine down and forget it (the next :func:`get_vllm_backend` starts a new one)."""
         with _ENGINES_LOCK:
@@ -197,6 +219,43 @@ class VllmBackend:
             engine_core.shutdown()
         del self.llm
         gc.collect()
+
+
+def _unscannable_modules() -> list[str]:
+    """Loaded modules that crash vLLM's in-process start on CPU.
+
+    vllm-cpu 0.32 rebinds its CPU kernel overrides by scanning every loaded module's attributes and
+    calling `vars(value).get(...)` on them. llvmlite (loaded with numba, which the BM25 retriever uses)
+    holds a `lib` object whose `__dict__` is not a mapping, so once the retriever is loaded an in-process
+    engine fails to start (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). Such modules
+    are hidden from `sys.modules` while the engine starts; the scan has nothing to rebind in them."""
+    names = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # touching deprecated attributes warns; vLLM's own scan does too
+        for name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None)
+            if not namespace:
+                continue
+            for value in list(namespace.values()):
+                try:
+                    unscannable = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+                except (AttributeError, TypeError):
+                    unscannable = True
+                if unscannable:
+                    names.append(name)
+                    break
+    return names
+
+
+@contextlib.contextmanager
+def _modules_hidden(names: Sequence[str]) -> Iterator[None]:
+    hidden = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    if hidden:
+        log.debug("hiding %d modules from vLLM's start-up scan: %s", len(hidden), sorted(hidden)[:8])
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 _ENGINES: dict[VllmConfig, VllmBackend] = {}

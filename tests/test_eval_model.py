@@ -1,0 +1,54 @@
+"""End to end: `eviback eval` with the real SmolLM2 and the real BM25 retriever over the embedded suite,
+on the session's vLLM engine (in-process CLI) and on the HF backend (as a user runs it, in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eviback import cli
+from eviback.evaluate import read_items, read_summary
+from eviback.metrics import rollout_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def test_eval_cli_on_vllm(vllm_backend, vllm_kv_cache_gib, tmp_path):
+    from eviback.generation import vllm as engines
+
+    out = tmp_path / "eval"
+    argv = ["eval", "--benchmarks", "nq,hotpotqa", "--limit", "2", "--max-turns", "1", "--max-turn-tokens", "48",
+            "--kv-cache-gib", str(vllm_kv_cache_gib), "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    assert list(engines._ENGINES.values()) == [vllm_backend]  # the CLI reused the running engine
+    items = read_items(out / "items.jsonl")
+    assert [(i.benchmark, i.trajectory.question.id) for i in items][:1] == [("nq", items[0].trajectory.question.id)]
+    assert len(items) == 4 and {i.benchmark for i in items} == {"nq", "hotpotqa"}
+    summary = read_summary(out / "summary.json")
+    assert summary.overall.n == 4
+    for row in summary.benchmarks:
+        assert row.metrics == rollout_metrics(i.trajectory for i in items if i.benchmark == row.name)
+    assert "| nq | 2 |" in (out / "summary.md").read_text()
+    assert (out / "viewer.html").stat().st_size > 1000
+    # rerunning resumes: nothing left to do, same summary
+    assert cli.main(argv) == 0
+    assert read_summary(out / "summary.json") == summary and len(read_items(out / "items.jsonl")) == 4
+
+
+def test_eval_cli_on_hf_as_a_user_runs_it(tmp_path):
+    out = tmp_path / "eval"
+    result = subprocess.run(
+        [sys.executable, "-m", "eviback.cli", "eval", "--backend", "hf", "--benchmarks", "popqa", "--limit", "2",
+         "--max-turns", "1", "--max-turn-tokens", "32", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| popqa | 2 |" in result.stdout and "viewer:" in result.stdout
+    records = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert r["trajectory"]["turns"] and r["stop_reason"] in ("answered", "forced", "length")
+        assert r["trajectory"]["tokens"] is None
