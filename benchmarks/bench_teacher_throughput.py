@@ -36,11 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollouts", type=int, default=16, help="rollouts per run")
     parser.add_argument("--concurrency", type=int, default=8, help="N, compared with 1")
     parser.add_argument("--policy", default="two-stage")
+    parser.add_argument("--seed", type=int, default=33,
+                        help="probe seed; change it to avoid prompts a running server has already seen")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
     n = args.rollouts
-    probes = [p.trajectory for p in build_probes(5 * n, seed=33)]
+    probes = [p.trajectory for p in build_probes(5 * n, seed=args.seed)]
     sets = [probes[i * n:(i + 1) * n] for i in range(5)]
     policy = load_policy(args.policy)
     runs = []

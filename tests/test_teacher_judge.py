@@ -58,8 +58,11 @@ def test_only_well_formed_replies_are_cached(rollouts):
     client = ScriptedClient().enqueue("garbage", "garbage")
     with teacher(client, cache, JudgeConfig(concurrency=1, retry=RetryConfig(backoff_s=0))) as t:
         verdict = t.judge_one(rollouts[0])
+        stats = t.stats().total
     assert not verdict.teacher_error and verdict.schema_violations == 2 and verdict.retries == 2
     assert len(cache) == 2  # A and B, each stored once, after parsing
+    # the malformed replies were paid for, though the verdict's cost counts only the replies it used
+    assert stats.paid_prompt_tokens > stats.prompt_tokens == verdict.prompt_tokens
 
 
 def test_sqlite_cache_is_safe_across_threads(tmp_path, rollouts):

@@ -75,7 +75,8 @@ class StageStats:
 
     `requests` = stage requests the workflow made; `cache_hits` of them were served from the cache; `calls`
     = backend calls actually made (retries included); tokens are those of the replies used, cached or not;
-    `paid_*_tokens` only those of replies fetched from the backend in this process; `latency_s` sums the
+    `paid_*_tokens` those of every reply fetched from the backend (malformed ones included, cached ones
+    not); `latency_s` sums the
     backend calls; `errors` = requests that ended as teacher_error."""
 
     requests: int = 0
@@ -193,8 +194,7 @@ class Teacher:
             requests=1, cache_hits=int(outcome.cache_hit), calls=outcome.calls, retries=outcome.retries,
             schema_violations=outcome.schema_violations, errors=int(outcome.error is not None),
             prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
-            paid_prompt_tokens=0 if outcome.cache_hit else outcome.prompt_tokens,
-            paid_completion_tokens=0 if outcome.cache_hit else outcome.completion_tokens,
+            paid_prompt_tokens=outcome.paid_prompt_tokens, paid_completion_tokens=outcome.paid_completion_tokens,
             latency_s=outcome.latency_s,
         )
         with self._lock:
@@ -202,7 +202,7 @@ class Teacher:
         return outcome
 
     def _attempts(self, request: ChatRequest) -> StageOutcome:
-        calls = retries = violations = 0
+        calls = retries = violations = paid_prompt = paid_completion = 0
         latency = 0.0
         key = None
         try:
@@ -227,6 +227,8 @@ class Teacher:
             try:
                 reply = self.client.complete(request)
                 latency += time.perf_counter() - start
+                paid_prompt += reply.prompt_tokens  # a malformed reply was paid for too
+                paid_completion += reply.completion_tokens
                 output = parse_reply(reply.text, request.schema)
             except SchemaViolation as e:
                 violations += 1
@@ -247,10 +249,12 @@ class Teacher:
                 self.cache.put(key, reply, stage=request.stage, policy_version=self.policy.version)
             return StageOutcome(output=output, calls=calls, prompt_tokens=reply.prompt_tokens,
                                 completion_tokens=reply.completion_tokens, latency_s=latency, retries=retries,
-                                schema_violations=violations)
+                                schema_violations=violations, paid_prompt_tokens=paid_prompt,
+                                paid_completion_tokens=paid_completion)
         log.debug("stage %s failed after %d call(s): %s", request.stage, calls, error)
         return StageOutcome(output=None, error=f"{error} (after {calls} call(s))", calls=calls,
-                            latency_s=latency, retries=retries, schema_violations=violations)
+                            latency_s=latency, retries=retries, schema_violations=violations,
+                            paid_prompt_tokens=paid_prompt, paid_completion_tokens=paid_completion)
 
 
 # --------------------------------------------------------------------------------------------------

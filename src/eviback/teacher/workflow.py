@@ -229,6 +229,8 @@ class StageOutcome:
     latency_s: float = 0.0
     retries: int = 0
     schema_violations: int = 0
+    paid_prompt_tokens: int = 0  # every reply fetched from the backend, malformed ones included
+    paid_completion_tokens: int = 0
 
 
 StageCaller = Callable[[ChatRequest], StageOutcome]
