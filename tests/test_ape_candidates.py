@@ -106,3 +106,21 @@ def test_what_the_controller_is_shown_never_contains_gold():
     text = "".join(m.content for m in messages)
     assert "Question:" in text and "correct: I" in text
     assert not any(c in text for c in canaries)
+
+
+def test_a_skeleton_controller_fills_one_string_and_caches_the_reply():
+    from eviback.ape.controller import ChatController, ControllerSettings
+    from eviback.teacher.cache import MemoryCache
+    from eviback.teacher.fakes import ScriptedClient
+
+    client = ScriptedClient(lambda request: "Judge only whether a passage states the answer.")
+    controller = ChatController(client, ControllerSettings(skeletons=True), MemoryCache())
+    messages = controller_messages(TWO, ParentSummary(1, 1, 0.5, 1, 0, (("S", 1),)), [])
+    reply = controller.propose(messages, slot=0)
+    assert client.requests[0].messages[-1].role == "assistant"  # the prefill
+    policy = parse_proposal(reply.text, TWO, "x")
+    assert policy.stages[0].system_prompt == "Judge only whether a passage states the answer."
+    other = parse_proposal(controller.propose(messages, slot=1).text, TWO, "y")  # the instruction skeleton
+    assert other.stages[0].user_template.startswith("Question: $question\n\nRetrieved passages:\n$evidence\n\n")
+    assert static_rejections(other, max_stages=2) == ()
+    assert controller.propose(messages, slot=0) == reply and controller.calls == 2  # cached, not asked again

@@ -213,3 +213,14 @@ def test_no_feasible_candidate_keeps_the_test_sealed(data, tmp_path):
     assert "No candidate passed every gate" in (tmp_path / "report.md").read_text()
     accepted = result.record("r2.p0")  # GEPA's acceptance: judged on the training feedback rollouts first
     assert accepted.feedback_objective == 0.5 and accepted.phase is Phase.STABILITY
+
+
+def test_cli_writes_the_default_spec_and_names_missing_inputs(tmp_path, capsys):
+    from eviback.ape.spec import ConstraintSpec, load_spec
+    from eviback.cli import main
+
+    assert main(["ape", "--write-spec", str(tmp_path / "spec.yaml")]) == 0
+    assert load_spec(tmp_path / "spec.yaml") == ConstraintSpec()
+    assert main(["ape", "--write-spec", str(tmp_path / "spec.yaml")]) == 2  # never overwritten
+    assert main(["ape", "--out", str(tmp_path / "run")]) == 2
+    assert "--probes N" in capsys.readouterr().err

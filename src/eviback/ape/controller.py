@@ -15,7 +15,9 @@ label: never the gold answers, so a proposal can never be tuned on them for Stag
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ class ParentSummary:
     status_counts: tuple[tuple[str, int], ...]
 
 
+EXAMPLE_TEXTS = ("...", "... $question ... $evidence ...")  # the prompt's example: a reply copying it proposes nothing
 SYSTEM = ("You improve the prompts of an automatic judge. You reply with one JSON object and nothing else.")
 
 
@@ -104,7 +107,8 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
         "stage). Write a literal dollar sign as $$.",
         "Improve the workflow so that the judge says S exactly when the passages state the answer. Reply with "
         "one JSON object only, for example:",
-        '{"stages": [{"name": "A", "system_prompt": "...", "user_template": "... $question ... $evidence ..."}]}',
+        '{"stages": [{"name": "A", "system_prompt": "' + EXAMPLE_TEXTS[0] + '", "user_template": "'
+        + EXAMPLE_TEXTS[1] + '"}]}',
     ]
     return (ChatMessage("system", SYSTEM), ChatMessage("user", "\n".join(lines)))
 
@@ -116,7 +120,7 @@ class Controller(Protocol):
     @property
     def controller_id(self) -> str: ...
 
-    def propose(self, messages: Sequence[ChatMessage], slot: int) -> ChatReply: ...
+    def propose(self, messages: Sequence[ChatMessage], slot: int, stage: str = "A") -> ChatReply: ...
 
     def close(self) -> None: ...
 
@@ -126,6 +130,29 @@ class ControllerSettings:
     temperature: float = 0.8
     max_tokens: int = 700
     seed: int = 0
+    # Reply skeletons (for a weak local controller): the reply is prefilled with the start of a proposal and
+    # the model writes one string value (Stage A's instructions), closed by the skeleton. Slots alternate
+    # between the skeletons. A strong controller writes the whole JSON itself (skeletons off).
+    skeletons: bool = False
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """A proposal with one JSON string value left open: `prefix` + the model's text + `suffix`."""
+
+    prefix: str
+    suffix: str
+
+
+def skeletons(stage: str) -> tuple[Skeleton, ...]:
+    """The skeletons for the status stage named `stage`: a new system prompt, or new instructions after the
+    question and the evidence (so the template keeps the placeholders Stage A needs)."""
+    head = json.dumps(stage)
+    return (
+        Skeleton('{"stages": [{"name": ' + head + ', "system_prompt": "', '"}]}'),
+        Skeleton('{"stages": [{"name": ' + head + ', "user_template": '
+                 '"Question: $question\\n\\nRetrieved passages:\\n$evidence\\n\\n', '"}]}'),
+    )
 
 
 class ChatController:
@@ -141,21 +168,29 @@ class ChatController:
     def controller_id(self) -> str:
         return self.client.backend_id
 
-    def request(self, messages: Sequence[ChatMessage], slot: int) -> ChatRequest:
+    def request(self, messages: Sequence[ChatMessage], slot: int, skeleton: Skeleton | None = None) -> ChatRequest:
         decoding = Decoding(temperature=self.settings.temperature, max_tokens=self.settings.max_tokens,
                             seed=self.settings.seed)
+        if skeleton is not None:  # a trailing assistant message is the prefill (part of the cache key)
+            messages = (*messages, ChatMessage("assistant", skeleton.prefix))
         return ChatRequest(stage=CONTROLLER_STAGE, messages=tuple(messages), schema=ReplySchema(fields=()),
                            decoding=decoding, sample_index=slot)
 
-    def propose(self, messages: Sequence[ChatMessage], slot: int) -> ChatReply:
-        request = self.request(messages, slot)
+    def propose(self, messages: Sequence[ChatMessage], slot: int, stage: str = "A") -> ChatReply:
+        skeleton = None
+        if self.settings.skeletons:
+            options = skeletons(stage)
+            skeleton = options[slot % len(options)]
+        request = self.request(messages, slot, skeleton)
         key = request.cache_key(CONTROLLER_STAGE, self.client.backend_id)
-        if self.cache is not None and (cached := self.cache.get(key)) is not None:
-            return cached
-        reply = self.client.complete(request)
-        self.calls += 1
-        if self.cache is not None:
-            self.cache.put(key, reply, stage=CONTROLLER_STAGE)
+        reply = self.cache.get(key) if self.cache is not None else None
+        if reply is None:
+            reply = self.client.complete(request)
+            self.calls += 1
+            if self.cache is not None:
+                self.cache.put(key, reply, stage=CONTROLLER_STAGE)
+        if skeleton is not None:
+            return dataclasses.replace(reply, text=skeleton.prefix + reply.text + skeleton.suffix)
         return reply
 
     def close(self) -> None:
@@ -178,7 +213,7 @@ class ScriptedController:
     def controller_id(self) -> str:
         return self._id
 
-    def propose(self, messages: Sequence[ChatMessage], slot: int) -> ChatReply:
+    def propose(self, messages: Sequence[ChatMessage], slot: int, stage: str = "A") -> ChatReply:
         with self._lock:
             self.seen.append(tuple(messages))
             text = self.script(messages, slot) if self.script is not None else \
@@ -193,9 +228,10 @@ class ScriptedController:
 class LocalChatClient:
     """Free-text chat generation on an in-process transformers model (the local controller).
 
-    Unlike the teacher's local backend it does not build a JSON skeleton: the controller must write the
-    proposal itself, which is exactly what is being tested of it. Sampling is seeded per request (`seed` +
-    sample index); calls are serialised (one model)."""
+    The model writes the proposal itself. A trailing assistant message is a prefill (a reply skeleton that
+    leaves a JSON string open): generation continues it and stops at the string's closing quote, and the
+    reply is that string's text. Sampling is seeded per request (`seed` + sample index); calls are
+    serialised (one model)."""
 
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "bfloat16", *, model=None,  # noqa: ANN001
                  tokenizer=None) -> None:
@@ -218,7 +254,10 @@ class LocalChatClient:
 
         start = time.perf_counter()
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prefill = ""
+        if messages and messages[-1]["role"] == "assistant":
+            prefill = messages.pop()["content"]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + prefill
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         decoding = request.decoding
         with self._lock, torch.inference_mode():
@@ -227,9 +266,14 @@ class LocalChatClient:
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=decoding.max_tokens,
                 do_sample=decoding.temperature > 0, temperature=decoding.temperature or None,
                 top_p=decoding.top_p if decoding.temperature > 0 else None, top_k=None,
-                pad_token_id=self.tokenizer.pad_token_id)
+                pad_token_id=self.tokenizer.pad_token_id,
+                stop_strings=['"'] if prefill else None, tokenizer=self.tokenizer if prefill else None)
         new = out[0, ids.shape[1]:]
         reply = self.tokenizer.decode(new, skip_special_tokens=True)
+        if prefill:
+            # the prefill leaves a JSON string open: its value ends at the first unescaped quote
+            match = re.match(r'((?:[^"\\]|\\.)*)', reply)
+            reply = match.group(1) if match else ""
         return ChatReply(text=reply, prompt_tokens=int(ids.shape[1]), completion_tokens=int(new.shape[0]),
                          latency_s=time.perf_counter() - start,
                          truncated=int(new.shape[0]) >= decoding.max_tokens)

@@ -48,6 +48,7 @@ from eviback.ape.candidates import (
     structure_key,
 )
 from eviback.ape.controller import (
+    EXAMPLE_TEXTS,
     ChatController,
     Controller,
     ControllerSettings,
@@ -318,8 +319,10 @@ class ApeRun:
     def controller(self) -> Controller | None:
         if self._controller is None and self.config.controller.kind is not ControllerKind.NONE:
             c = self.config.controller
+            # a small local model cannot be relied on to write a whole JSON proposal: it fills a skeleton
             settings = ControllerSettings(self.spec.search.controller_temperature,
-                                          self.spec.search.controller_max_tokens, self.spec.search.seed)
+                                          self.spec.search.controller_max_tokens, self.spec.search.seed,
+                                          skeletons=c.kind is ControllerKind.LOCAL)
             if c.kind is ControllerKind.LOCAL:
                 shared = self.client if self.config.teacher.backend is Backend.LOCAL else None
                 same = shared is not None and self.config.teacher.local.model == c.local_model and \
@@ -580,13 +583,18 @@ class ApeRun:
                 if len(self.candidates) >= self.spec.search.max_candidates:
                     break
                 try:
-                    reply = controller.propose(messages, slot=round_ * 100 + p)
+                    reply = controller.propose(messages, slot=round_ * 100 + p, stage=parent.policy.status_stage.name)
                 except TeacherCallError as e:
                     self.reject_proposal(RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_,
                                                           f"controller call failed: {e}"))
                     continue
                 try:
                     policy = parse_proposal(reply.text, parent.policy, f"{parent.policy.name}~{slot}")
+                    copied = [t for s in policy.stages for t in (s.system_prompt, s.user_template)
+                              if t.strip() in EXAMPLE_TEXTS]
+                    if copied:
+                        raise ProposalError(f"the reply copies the prompt's example ({copied[0]!r}) instead of "
+                                            f"proposing a workflow")
                 except ProposalError as e:
                     self.reject_proposal(RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_, str(e),
                                                           reply.text[:300]))
