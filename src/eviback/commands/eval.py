@@ -13,6 +13,10 @@ questions already in items.jsonl are skipped.
 from __future__ import annotations
 
 import argparse
+import os
+
+# Sleeping OpenMP threads (set before torch loads): on shared cores, spinning ones stall each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 HELP = "evaluate a model on the QA benchmarks (EM, F1, valid answers, searches)"
 

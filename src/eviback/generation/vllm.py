@@ -210,14 +210,25 @@ class VllmBackend:
             self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Shut the engine down and forget it (the next :func:`get_vllm_backend` starts a new one)."""
+        """Forget the engine (the next :func:`get_vllm_backend` starts a new one) and free it.
+
+        In-process engines share vLLM's global parallel state, and freeing one while another runs breaks
+        the other ("pipeline model parallel group is not initialized"). So an engine closed while others
+        are open is only retired; retired engines are freed with the last open one."""
         with _ENGINES_LOCK:
             if _ENGINES.get(self.config) is self:
                 del _ENGINES[self.config]
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
-        del self.llm
+            if _ENGINES:
+                log.info("vLLM engine retired; it is freed when the last open engine closes")
+                _RETIRED.append(self)
+                return
+            retired = [*_RETIRED, self]
+            _RETIRED.clear()
+        for backend in retired:
+            engine_core = getattr(backend.llm.llm_engine, "engine_core", None)
+            if engine_core is not None and hasattr(engine_core, "shutdown"):
+                engine_core.shutdown()
+            del backend.llm
         gc.collect()
 
 
@@ -259,6 +270,7 @@ def _modules_hidden(names: Sequence[str]) -> Iterator[None]:
 
 
 _ENGINES: dict[VllmConfig, VllmBackend] = {}
+_RETIRED: list[VllmBackend] = []  # closed while other engines were open (see VllmBackend.close)
 _ENGINES_LOCK = threading.Lock()
 
 
