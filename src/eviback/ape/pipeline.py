@@ -216,6 +216,7 @@ class ApeRun:
         self.out.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self._client = client
+        self._injected_client = client is not None
         self._controller = controller
         self._cache = None
         self.inputs = inputs
@@ -298,7 +299,8 @@ class ApeRun:
         return self._client
 
     def teacher_backend_id(self) -> str:
-        if self._client is not None:
+        """The teacher's identity as configured (an injected client names itself)."""
+        if self._client is not None and self._injected_client:
             return self._client.backend_id
         t = self.config.teacher
         if t.backend is Backend.LOCAL:
@@ -582,6 +584,7 @@ class ApeRun:
                     continue
                 if len(self.candidates) >= self.spec.search.max_candidates:
                     break
+                self.progress(f"{slot}: asking the controller {controller.controller_id} for a proposal")
                 try:
                     reply = controller.propose(messages, slot=round_ * 100 + p, stage=parent.policy.status_stage.name)
                 except TeacherCallError as e:

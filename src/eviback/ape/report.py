@@ -93,7 +93,8 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _candidate_table(records: Sequence[CandidateRecord], winner: str | None, front: Sequence[str]) -> list[str]:
+def _candidate_table(records: Sequence[CandidateRecord], winner: str | None, front: Sequence[str],
+                     spec: ConstraintSpec) -> list[str]:
     lines = ["| id | workflow | origin | outcome | objective | S on suff. / I on insuff. | tokens / rollout | "
              "calls / rollout | schema viol. | reordered | paraphrased | repeated sampling | why rejected |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -104,7 +105,7 @@ def _candidate_table(records: Sequence[CandidateRecord], winner: str | None, fro
         outcome = r.outcome + (f" ({r.phase.value})" if r.phase else "") + mark
         if m is not None:
             s = m.sufficiency
-            cols = [_f(s.balanced_agreement), f"{_f(s.on_sufficient, 2)} / {_f(s.on_insufficient, 2)}",
+            cols = [_f(m.objective(spec.objective.metric)), f"{_f(s.on_sufficient, 2)} / {_f(s.on_insufficient, 2)}",
                     f"{m.cost.tokens_per_rollout:.0f}", f"{m.cost.requests_per_rollout:.2f}",
                     _f(m.schema_violation_rate, 3),
                     _stab(m.stability_of("reordered_evidence")), _stab(m.stability_of("paraphrased_question")),
@@ -195,7 +196,7 @@ def render_markdown(result: ApeResult) -> str:
               "Objective = agreement with the sufficiency labels (balanced unless the spec says otherwise). "
               "Stability cells: agreement rate (Wilson lower bound, rollouts compared); Fleiss' κ (bootstrap lower "
               "bound). A dash: not measured, because the candidate was rejected before (no call spent on it).", ""]
-    lines += _candidate_table(result.candidates, winner, front)
+    lines += _candidate_table(result.candidates, winner, front, spec)
     if front:
         lines += ["", f"Non-dominated (objective up, tokens down, stability floor up): {', '.join(front)}."]
     if result.rejected_proposals:
