@@ -62,12 +62,17 @@ class TrainConfig:
     # ---- optimisation (TRL GRPOTrainer)
     learning_rate: float = field(default=1e-6, metadata={"help": "Search-R1: 1e-6"})
     beta: float = field(default=0.001, metadata={"help": "KL coefficient (k3 estimator); Search-R1: 0.001"})
-    loss_type: str = field(default="grpo", metadata={"help": "TRL loss aggregation: grpo, dapo, dr_grpo, bnpo"})
+    loss_type: str = field(default="dapo", metadata={"help": "TRL's loss aggregation (not the baseline mode): "
+                           "dapo = token mean over the batch (Search-R1/verl's token-mean), grpo, bnpo, dr_grpo"})
     max_steps: int = field(default=20, metadata={"help": "optimisation steps"})
     save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps (resume point)"})
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward "
+                                         "pass: saves memory on large models, costs ~30% time"})
     dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype on CPU: bfloat16 or float32"})
     seed: int = field(default=0, metadata={"help": "seed for sampling and data order"})
+    report_to: list[str] = field(default_factory=list, metadata={"help": "extra logging integrations of "
+                                 "transformers (tensorboard, wandb, ...); metrics.jsonl is always written"})
     # ---- evaluation after training
     eval_benchmarks: list[str] = field(default_factory=list, metadata={"help": "benchmarks to evaluate on after "
                                        "training (held-out files of the suite); empty: none"})

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path

@@ -1,0 +1,286 @@
+"""GRPO with evidence-constrained teacher backoff, as an adapter on TRL's `GRPOTrainer` (trl==1.16.0).
+
+    eviback train --preset eviback --output runs/eviback        # or: grpo, dapo, eviback-single-prompt
+
+What TRL does here, and what eviback does:
+
+- TRL owns the optimisation: data order, the clipped policy loss with the KL term (k3, `beta`), gradient
+  accumulation, the optimiser and schedule, checkpoints, logging integrations and multi-process launches
+  (`accelerate launch -m eviback.cli train ...`).
+- eviback owns the rollouts and the advantages. TRL's `rollout_func` hook runs :class:`RolloutEngine` (whole
+  groups at once, on the vLLM engine by default), and :meth:`EviBackTrainer._generate_and_score_completions`
+  replaces the advantages TRL computed with those of the pure functions in :mod:`eviback.backoff` (actor
+  rewards for groups with a verified hit; the teacher's hybrid rewards x lambda for all-zero groups).
+- Retrieved tokens never reach the loss: the engine's `TokenTrace.mask` goes to TRL as `env_mask`, which TRL
+  multiplies into the loss mask (KL included).
+- Before each rollout step the policy's weights are pushed into the vLLM engine (`update_weights`: the
+  worker's `reload_weights`; TRL 1.16's own vLLM sync fails on CPU), so rollouts are on-policy.
+
+TRL 1.16 facts this module relies on (checked against its source; the version is pinned):
+`rollout_func(prompts, trainer)` receives each prompt of the process's generation batch repeated
+`num_generations` times in a row (whole groups, as the repeat sampler lays them out) and must return one
+completion per row; extra keys of its result reach the reward functions as keyword arguments;
+`_generate_and_score_completions` returns the process's rows in rollout order with an `advantages` tensor of
+shape (rows,) which the loss reads later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from eviback.backoff import (
+    BackoffConfig,
+    GroupAdvantages,
+    GroupKind,
+    group_advantages,
+    needs_teacher,
+    summarize,
+)
+from eviback.metrics import exact_match
+from eviback.protocol import build_prompt
+from eviback.rollout import RolloutBatch, RolloutEngine
+from eviback.types import Group, Question, Status, Verdict, to_dict
+
+log = logging.getLogger(__name__)
+
+MASTER_WEIGHTS = "master.safetensors"  # the fp32 master weights inside a checkpoint (bf16 training)
+
+
+def em_reward(completions: list, em: list[float], **_: Any) -> list[float]:
+    """TRL's reward function: the actor's EM, computed by the rollout (it reads the model's own text)."""
+    return [float(e) for e in em]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """Everything one rollout step produced, for the logs: the groups, their advantages, the verdicts of
+    the fallback groups (None where the teacher was not asked), and where the time went."""
+
+    step: int
+    batch: RolloutBatch
+    outcomes: tuple[GroupAdvantages, ...]
+    verdicts: tuple[tuple[Verdict, ...] | None, ...]
+    teacher_s: float
+    sync_s: float
+
+
+class EviBackTrainer(GRPOTrainer):
+    """GRPOTrainer whose rollouts come from eviback's engine and whose advantages come from
+    :mod:`eviback.backoff`.
+
+    Args:
+        engine: the rollout engine (its backend generates; with vLLM, weights are pushed each step).
+        questions: the training questions by id (the dataset rows carry only the id and the prompt).
+        backoff: the advantage mode (grpo, dapo, eviback) and lambda.
+        judge_groups: the teacher, called once per step with every all-zero group (None: no teacher).
+        on_step: called with each step's :class:`StepOutcome` (the run logs it).
+        push_weights: push the policy into the engine before each rollout (False when the engine runs
+            the trainer's own model, e.g. the HF backend).
+        master: the fp32 master copy when training runs in bf16 with
+            :class:`~eviback.train.precision.MasterWeightAdamW`; saved in every checkpoint, so a resumed run
+            continues from the exact fp32 weights.
+        rollout_seed: base seed of the rollouts (each step and process gets its own).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: RolloutEngine,
+        questions: dict[str, Question],
+        backoff: BackoffConfig,
+        judge_groups: Callable[[Sequence[Group]], list[tuple[Verdict, ...]]] | None,
+        on_step: Callable[[StepOutcome], None],
+        push_weights: bool,
+        master: torch.nn.Module | None = None,
+        rollout_seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        self.engine = engine
+        self.questions_by_id = questions
+        self.backoff = backoff
+        self.judge_groups = judge_groups
+        self.on_step = on_step
+        self.push_weights = push_weights
+        self.master = master
+        self.rollout_seed = rollout_seed
+        self._pending: list[Question] = []
+        self._batch: RolloutBatch | None = None
+        self._sync_s = 0.0
+        self._weights_step: int | None = None
+        super().__init__(rollout_func=self._rollout, reward_funcs=[em_reward], **kwargs)
+
+    # ---- rollouts
+
+    def _sync_weights(self) -> None:
+        """Push the policy into the generation engine once per optimiser step (on-policy rollouts)."""
+        if not self.push_weights or self._weights_step == self.state.global_step:
+            return
+        t0 = time.perf_counter()
+        model = self.accelerator.unwrap_model(self.model)
+        self.engine.backend.update_weights(model.named_parameters())
+        self._weights_step = self.state.global_step
+        self._sync_s = time.perf_counter() - t0
+
+    def _rollout(self, prompts: list, trainer: Any) -> dict[str, list]:
+        group_size = self.num_generations
+        if len(prompts) != len(self._pending) * group_size:
+            raise RuntimeError(f"TRL passed {len(prompts)} prompts for {len(self._pending)} groups of "
+                               f"{group_size}; this adapter is written for trl==1.16.0")
+        self._sync_s = 0.0
+        self._sync_weights()
+        seed = self.rollout_seed * 1_000_003 + self.state.global_step * 97 + self.accelerator.process_index
+        self._batch = batch = self.engine.rollout(self._pending, group_size=group_size, seed=seed)
+        rows: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "em": []}
+        for trajectory in batch.trajectories:
+            tokens = trajectory.tokens
+            if tokens is None:
+                raise RuntimeError("the rollout engine must record token traces for training")
+            rows["prompt_ids"].append(list(tokens.prompt_ids))
+            rows["completion_ids"].append(list(tokens.ids))
+            rows["logprobs"].append(list(tokens.logprobs))
+            rows["env_mask"].append(list(tokens.mask))
+            rows["em"].append(exact_match(trajectory.answer, trajectory.question.golden_answers))
+        return rows
+
+    # ---- advantages
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        group_size = self.num_generations
+        ids = [x["question_id"] for x in inputs]
+        starts = range(0, len(ids), group_size)
+        if len(ids) % group_size or any(len(set(ids[i:i + group_size])) != 1 for i in starts):
+            raise RuntimeError("the generation batch does not hold whole groups in a row; "
+                               "this adapter is written for trl==1.16.0")
+        self._pending = [self.questions_by_id[ids[i]] for i in starts]
+        output = super()._generate_and_score_completions(inputs)
+        batch = self._batch
+        if batch is None or len(batch.groups) != len(self._pending):
+            raise RuntimeError("TRL did not call the rollout function for this batch")
+
+        t0 = time.perf_counter()
+        em = [[exact_match(t.answer, t.question.golden_answers) for t in g.trajectories] for g in batch.groups]
+        asking = [i for i, g_em in enumerate(em) if needs_teacher(g_em, self.backoff)]
+        verdicts: list[tuple[Verdict, ...] | None] = [None] * len(em)
+        if asking and self.judge_groups is not None:
+            # One call for every fallback group of the step: the teacher judges them concurrently.
+            for i, judged in zip(asking, self.judge_groups([batch.groups[i] for i in asking]), strict=True):
+                verdicts[i] = judged
+        teacher_s = time.perf_counter() - t0
+        outcomes = tuple(group_advantages(g_em, v, self.backoff) for g_em, v in zip(em, verdicts, strict=True))
+
+        device = output["advantages"].device
+        output["advantages"] = torch.tensor([a for o in outcomes for a in o.advantages],
+                                            dtype=torch.float32, device=device)
+        dropped = [r for i, o in enumerate(outcomes) if not o.keep
+                   for r in range(i * group_size, (i + 1) * group_size)]
+        if dropped:
+            # DAPO-style filtering: a dropped group leaves the loss and its token count (attention is kept).
+            mask = output.get("tool_mask")
+            if mask is None:
+                mask = output["tool_mask"] = torch.ones_like(output["completion_mask"])
+            mask[dropped] = 0
+            tokens = (output["completion_mask"] * mask).sum()
+            output["num_items_in_batch"] = self.accelerator.gather(tokens).sum()
+        self.on_step(StepOutcome(self.state.global_step + 1, batch, outcomes, tuple(verdicts), teacher_s,
+                                 self._sync_s))
+        return output
+
+    # ---- checkpoints
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # The fp32 masters go in first: TRL writes trainer_state.json last, so a checkpoint that looks
+        # complete always has them.
+        if self.master is not None and self.args.should_save:
+            from safetensors.torch import save_model
+
+            folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            save_model(self.master, os.path.join(folder, MASTER_WEIGHTS))
+        super()._save_checkpoint(model, trial)
+
+
+# --------------------------------------------------------------------------------------------------
+# Step records
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far, in GB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
+
+
+def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]:
+    """The namespaced metrics of one step (rollouts, groups, teacher, time)."""
+    batch = outcome.batch
+    m = batch.metrics()
+    s = summarize(outcome.outcomes, backoff)
+    judged = [v for vs in outcome.verdicts if vs for v in vs]
+    statuses = [v.status for v in judged if not v.teacher_error]
+    record: dict[str, Any] = {
+        "step": outcome.step,
+        "rollout/em": m.em, "rollout/f1": m.f1, "rollout/sub_em": m.sub_em,
+        "rollout/valid_answer_rate": m.valid_answer_rate, "rollout/avg_searches": m.avg_searches,
+        "rollout/duplicate_query_rate": m.duplicate_query_rate,
+        "rollout/forced_termination_rate": m.forced_termination_rate,
+        "rollout/trajectories": m.n, "rollout/generated_tokens": batch.generated_tokens,
+        "backoff/groups": s.groups, "backoff/verified_share": s.verified / s.groups if s.groups else 0.0,
+        "backoff/all_zero_share": s.all_zero_share, "backoff/fallback_share": s.fallback_share,
+        "backoff/teacher_error_groups": s.teacher_error,
+        "backoff/teacher_error_share": s.teacher_error / s.groups if s.groups else 0.0,
+        "backoff/dropped_groups": s.dropped,
+        "teacher/judged": len(judged),
+        "teacher/calls": sum(v.calls for v in judged),
+        "teacher/errors": sum(v.teacher_error for v in judged),
+        "teacher/prompt_tokens": sum(v.prompt_tokens for v in judged),
+        "teacher/completion_tokens": sum(v.completion_tokens for v in judged),
+        "teacher/cache_hits": sum(v.cache_hits for v in judged),
+        "teacher/latency_s": sum(v.latency_s for v in judged),
+        "teacher/stage_b_runs": sum(v.stage_b_ran for v in judged),
+        "time/rollout": batch.wall_s - batch.retrieve_s,
+        "time/retrieval": batch.retrieve_s,
+        "time/teacher": outcome.teacher_s,
+        "time/weight_sync": outcome.sync_s,
+    }
+    for status in Status:
+        record[f"teacher/status_{status.value}"] = sum(st is status for st in statuses)
+    rewards = [r for o in outcome.outcomes if o.kind is GroupKind.FALLBACK for r in o.rewards]
+    record["teacher/reward_mean"] = sum(rewards) / len(rewards) if rewards else None
+    return record
+
+
+def group_records(outcome: StepOutcome) -> list[dict[str, Any]]:
+    """One `groups.jsonl` record per group: the rollouts (without token ids), EM, verdicts, rewards,
+    advantages and how the group was treated."""
+    records = []
+    for group, o, verdicts in zip(outcome.batch.groups, outcome.outcomes, outcome.verdicts, strict=True):
+        records.append({
+            "step": outcome.step,
+            "question_id": group.question.id,
+            "question": group.question.question,
+            "golden_answers": list(group.question.golden_answers),
+            "kind": o.kind.value,
+            "fallback": o.kind is GroupKind.FALLBACK,
+            "em": list(o.em),
+            "rewards": list(o.rewards),
+            "advantages": list(o.advantages),
+            "keep": o.keep,
+            "verdicts": [to_dict(v) for v in verdicts] if verdicts else None,
+            "rollouts": [to_dict(dataclasses.replace(t, tokens=None)) for t in group.trajectories],
+        })
+    return records
+
+
+def training_dataset(questions: Sequence[Question]):  # noqa: ANN201 - a datasets.Dataset
+    """TRL's dataset: the Search-R1 prompt (what TRL logs) and the question id (what the adapter reads)."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": build_prompt(q.question), "question_id": q.id} for q in questions])

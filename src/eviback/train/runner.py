@@ -1,0 +1,274 @@
+"""One training run from configuration to report: `eviback train` and the demo call :func:`run_training`.
+
+    from eviback.train.config import resolve_config
+    from eviback.train.runner import run_training
+    result = run_training(resolve_config("eviback", overrides=["max_steps=10"]), "runs/eviback")
+
+Steps: prepare (or resume) the run directory; warm-start the policy (cached); open the retriever, the
+generation engine and, for EviBack, the teacher; train with :class:`~eviback.train.grpo.EviBackTrainer`,
+logging every step; save the final policy; evaluate it on held-out questions; draw the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eviback.data import DataSuite, load_suite, read_questions
+from eviback.train.config import TrainConfig
+from eviback.train.run import RunDir
+
+log = logging.getLogger(__name__)
+
+# TRL's log keys -> eviback's namespaced metric keys
+TRL_KEYS = {"loss": "train/loss", "kl": "train/kl", "grad_norm": "train/grad_norm",
+            "entropy": "train/entropy", "reward": "train/reward",
+            "clip_ratio/region_mean": "train/clip_ratio", "step_time": "time/step"}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    final_model: Path
+    steps: int
+    resumed_from: int | None
+    eval_summary: Any | None  # eviback.evaluate.EvalSummary when held-out benchmarks were evaluated
+    report: Path
+
+
+def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
+    """The questions of the suite's training files (or the named ones), never an evaluation question."""
+    from eviback.train.warmstart_data import check_no_eval_overlap, training_files
+
+    questions, seen = [], set()
+    for path in training_files(suite, names):
+        for q in read_questions(path):
+            if q.id not in seen:  # the same id in two files is one question
+                seen.add(q.id)
+                questions.append(q)
+    check_no_eval_overlap(questions, suite)
+    return questions
+
+
+def initial_policy(config: TrainConfig) -> str:
+    """The checkpoint GRPO starts from: the (cached) warm start, or the base model itself."""
+    from eviback.policy import resolve_model
+
+    if not config.warm_start:
+        return resolve_model(config.model, "float32")
+    from eviback.train.sft import WarmStartConfig, warm_start
+
+    return str(warm_start(WarmStartConfig(
+        model=config.model, data=config.data, retriever=config.retriever,
+        max_examples=config.warm_start_examples, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+        seed=config.seed,
+    )))
+
+
+def load_policy_for_training(path: str, dtype: str, resume_from: Path | None):  # noqa: ANN201
+    """(model, master) for `dtype`: in bf16 the model is a bf16 copy trained with fp32 master weights (pure
+    bf16 updates lose lr-sized changes), in fp32 the model itself and no master. A resumed run restores the
+    masters saved in its checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eviback.train.grpo import MASTER_WEIGHTS
+
+    master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if dtype == "float32":
+        return master, None
+    if resume_from is not None:
+        saved = resume_from / MASTER_WEIGHTS
+        if saved.exists():
+            from safetensors.torch import load_model
+
+            load_model(master, saved)
+        else:
+            log.warning("%s has no fp32 master weights; resuming from its bf16 weights", resume_from)
+            master = AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return model, master
+
+
+def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
+    if config.backoff.mode.value != "eviback":
+        return None
+    from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig, build_teacher
+    from eviback.teacher.local import LocalBackendConfig
+
+    return build_teacher(TeacherConfig(
+        policy=config.teacher,
+        backend=config.teacher_backend,
+        local=LocalBackendConfig(model=config.teacher_model),
+        http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
+                               else config.teacher_model) if config.teacher_url else HttpBackendConfig(),
+        judge=JudgeConfig(concurrency=config.teacher_concurrency),
+    ))
+
+
+def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:
+    import torch
+    from trl import GRPOConfig
+
+    from eviback.generation import BackendConfig, load_backend
+    from eviback.policy import load_tokenizer
+    from eviback.retrieval import load_retriever, suite_retriever
+    from eviback.rollout import RolloutConfig, RolloutEngine
+    from eviback.train.grpo import EviBackTrainer, group_records, peak_rss_gb, step_metrics, training_dataset
+    from eviback.train.precision import MasterWeightAdamW
+
+    run = RunDir(output)
+    resumed_from = run.start(config, resume)
+    checkpoint = run.last_checkpoint()
+    if resumed_from:
+        log.info("resuming %s from step %d", run.root, resumed_from)
+    if resumed_from is not None and resumed_from >= config.max_steps:
+        log.info("%s already finished %d steps", run.root, resumed_from)
+    torch.manual_seed(config.seed)
+
+    suite = load_suite(config.data)
+    questions = load_training_questions(suite, config.train_files)
+    retriever = load_retriever(config.retriever) if config.retriever else suite_retriever(suite)
+    policy_path = initial_policy(config)
+    tokenizer = load_tokenizer(policy_path)
+    model, master = load_policy_for_training(policy_path, config.dtype, checkpoint)
+    if master is not None:
+        optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
+
+    max_context = config.max_turn_tokens * (config.max_turns + 1) + config.max_obs_tokens * config.max_turns + 512
+    # The engine holds its own copy of the policy, refreshed before each rollout step: the trainer's model
+    # runs in training mode (and, on GPUs, with gradient checkpointing), which generation must not share.
+    backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype="bfloat16",
+                                         max_model_len=max(2048, max_context)))
+    engine = RolloutEngine(backend, retriever, RolloutConfig(
+        group_size=config.group_size, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
+        max_observation_tokens=config.max_obs_tokens, max_context_tokens=min(backend.max_context, max_context),
+        topk=config.topk, temperature=config.temperature, top_p=config.top_p,
+    ))
+    teacher = open_teacher(config)
+
+    pending: dict[int, dict[str, Any]] = {}
+    backoff = config.backoff
+
+    def on_step(outcome) -> None:  # noqa: ANN001 - a StepOutcome
+        pending[outcome.step] = step_metrics(outcome, backoff)
+        run.log_groups(group_records(outcome))
+
+    from transformers import TrainerCallback
+
+    class LogCallback(TrainerCallback):
+        """Merge TRL's per-step logs with the step's rollout metrics into one metrics.jsonl record."""
+
+        def __init__(self) -> None:
+            self.step_started = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            self.step_started = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+            if not logs or "loss" not in logs:
+                return
+            record = pending.pop(state.global_step, {"step": state.global_step})
+            for key, name in TRL_KEYS.items():
+                if key in logs:
+                    record[name] = logs[key]
+            scheduler = kwargs.get("lr_scheduler")
+            if scheduler is not None:
+                record["train/learning_rate"] = scheduler.get_last_lr()[0]
+            spent = sum(record.get(k) or 0.0 for k in ("time/rollout", "time/retrieval", "time/teacher",
+                                                         "time/weight_sync"))
+            record["time/step"] = time.perf_counter() - self.step_started
+            record["time/update"] = max(0.0, record["time/step"] - spent)
+            record["memory/peak_rss_gb"] = round(peak_rss_gb(), 3)
+            run.log_metrics(record)
+            log.info("step %d/%d  em %.3f  all-zero %.2f  teacher-reward %.2f  loss %.4f  %.0fs",
+                     state.global_step, config.max_steps, record.get("rollout/em", 0),
+                     record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_share", 0),
+                     record.get("train/loss", 0), record["time/step"])
+
+    args = GRPOConfig(
+        output_dir=str(run.checkpoints),
+        per_device_train_batch_size=config.group_size,
+        gradient_accumulation_steps=config.questions_per_step,
+        num_generations=config.group_size,
+        max_steps=config.max_steps,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="constant",
+        beta=config.beta,
+        loss_type=config.loss_type,
+        temperature=config.temperature,  # TRL scales logits by it when computing log-probabilities
+        top_p=config.top_p,
+        max_completion_length=max_context,
+        save_strategy="steps",
+        save_steps=config.save_steps,
+        save_total_limit=config.save_total_limit,
+        logging_steps=1,
+        report_to=config.report_to or "none",
+        seed=config.seed,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,  # precision is handled by the bf16 copy + fp32 masters, not by autocast
+        fp16=False,
+        remove_unused_columns=False,
+        gradient_checkpointing=config.gradient_checkpointing,
+        disable_tqdm=False,
+    )
+    trainer = EviBackTrainer(
+        engine=engine,
+        questions={q.id: q for q in questions},
+        backoff=backoff,
+        judge_groups=teacher.judge_groups if teacher is not None else None,
+        on_step=on_step,
+        push_weights=True,
+        master=master,
+        rollout_seed=config.seed,
+        model=model,
+        args=args,
+        train_dataset=training_dataset(questions),
+        processing_class=tokenizer,
+        optimizers=(optimizer, None),
+        callbacks=[LogCallback()],
+    )
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    log.info("trained %d steps in %.0f s", trainer.state.global_step, time.perf_counter() - started)
+
+    final = master if master is not None else model
+    final.save_pretrained(run.final)
+    tokenizer.save_pretrained(run.final)
+    if teacher is not None:
+        teacher.close()
+
+    summary = None
+    if config.eval_benchmarks:
+        from eviback.evaluate import EvalConfig, run_eval
+
+        backend.update_weights(model.named_parameters())
+        summary = run_eval(EvalConfig(
+            out=str(run.eval_dir), data=config.data, benchmarks=tuple(config.eval_benchmarks),
+            limit=config.eval_limit, model=str(run.final), backend=config.backend, retriever=config.retriever,
+            topk=config.topk, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
+            max_observation_tokens=config.max_obs_tokens, max_context_tokens=engine.config.max_context_tokens,
+        ), backend=backend, retriever=retriever)
+    report = write_run_report(run, summary)
+    return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, report)
+
+
+def write_run_report(run: RunDir, summary: Any | None) -> Path:
+    """The run's HTML report: training curves, and the held-out evaluation when there is one."""
+    import html
+
+    from eviback.train.plots import write_report
+
+    extra = ""
+    if summary is not None:
+        from eviback.evaluate import summary_markdown
+
+        extra = ("<h2>Held-out evaluation</h2><pre>" + html.escape(summary_markdown(summary)) + "</pre>"
+                 "<p><a href='eval/viewer.html'>Trajectories of the evaluation, turn by turn</a></p>")
+    return write_report([run.root], run.root, extra_html=extra)

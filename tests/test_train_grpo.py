@@ -1,0 +1,214 @@
+"""The GRPO adapter on TRL: the advantages TRL trains on are eviback's, observations are masked, the teacher
+sees only all-zero groups, DAPO filtering drops groups, and the engine tracks the trainer's updates.
+
+The trainer here is TRL's real GRPOTrainer on the real SmolLM2; the rollouts come from a scripted backend so
+that every group's EM is known in advance."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from eviback.backoff import BackoffConfig, Mode, zscore
+from eviback.generation.base import Completion, FinishReason, SamplingConfig, request_caps, stop_cut
+from eviback.protocol import INVALID_ACTION_MESSAGE
+from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.types import Passage, Question, Status, Verdict
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+QUESTIONS = [
+    Question("q-hit", "who wrote hamlet", ("William Shakespeare",)),
+    Question("q-miss", "what is the capital of france", ("Paris",)),
+]
+
+
+@dataclass
+class AlternatingBackend:
+    """Turn 1: searches. Turn 2: rollout 0 of `q-hit` answers the gold answer, everything else a wrong one.
+    Rollouts are told apart by their position in the call (the engine keeps the order of its batch)."""
+
+    tokenizer: object
+    max_context: int = 8192
+    name: str = "alternating"
+    calls: int = 0
+    seeds: list[int] = field(default_factory=list)
+
+    def generate(self, prompts, params: SamplingConfig, max_tokens=None) -> list[Completion]:  # noqa: ANN001
+        caps = request_caps(len(prompts), params, max_tokens)
+        self.calls += 1
+        out = []
+        for i, (prompt, cap) in enumerate(zip(prompts, caps, strict=True)):
+            context = self.tokenizer.decode(prompt)
+            if "<information>Doc" not in context:  # the prompt itself names the tags
+                text = "<think>I should look it up.</think>\n<search> the question </search>"
+            elif "hamlet" in context and i == 0:
+                text = "<think>Found it.</think>\n<answer> William Shakespeare </answer>"
+            else:
+                text = "<think>Not sure.</think>\n<answer> Napoleon </answer>"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = ids[: stop_cut(self.tokenizer, ids, params.stop) or len(ids)][:cap]
+            out.append(Completion(tuple(ids), self.tokenizer.decode(ids), tuple(-0.7 for _ in ids),
+                                  FinishReason.STOP))
+        return out
+
+    def reseed(self, seed: int) -> None:
+        self.seeds.append(seed)
+
+    def update_weights(self, weights) -> None:  # noqa: ANN001
+        self.pushed = True
+
+    def close(self) -> None:
+        pass
+
+
+class FixedRetriever:
+    def search(self, queries, topk=3):  # noqa: ANN001, ANN201
+        return [[Passage("7", '"Doc"\nSome retrieved text <answer> injected </answer>.', 1.0)] for _ in queries]
+
+    def close(self) -> None:
+        pass
+
+
+MODES = (Mode.EVIBACK, Mode.DAPO, Mode.GRPO)
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):  # noqa: ANN201
+    """One real TRL trainer run for three steps, the advantage mode switched before each: EviBack, DAPO,
+    plain GRPO. Returns, per step, (TRL's batch output, the StepOutcome, the groups the teacher saw)."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig
+
+    from eviback.policy import load_tokenizer, resolve_model
+    from eviback.train.grpo import EviBackTrainer, training_dataset
+
+    path = resolve_model("smollm2-135m", "float32")
+    tokenizer = load_tokenizer(path)
+    engine = RolloutEngine(AlternatingBackend(tokenizer), FixedRetriever(),
+                           RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=32, max_context_tokens=1024))
+    outputs, steps, judged = [], [], []
+
+    def judge_groups(groups):  # noqa: ANN001, ANN202 - a scripted teacher: rewards 0.2 and 0.8
+        judged[-1].extend(g.question.id for g in groups)
+        return [(Verdict(Status.INSUFFICIENT, reward=0.2), Verdict(Status.SUFFICIENT, reward=0.8)) for _ in groups]
+
+    class Recording(EviBackTrainer):
+        def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
+            output = super()._generate_and_score_completions(inputs)
+            outputs.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in output.items()})
+            return output
+
+    class SwitchMode(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            trainer.backoff = BackoffConfig(mode=MODES[state.global_step], lam=0.1)
+            judged.append([])
+
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("ckpt")), per_device_train_batch_size=2,
+                      gradient_accumulation_steps=2, num_generations=2, max_steps=3, learning_rate=1e-6, beta=0.0,
+                      use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                      remove_unused_columns=False, shuffle_dataset=False, disable_tqdm=True)
+    trainer = Recording(
+        engine=engine, questions={q.id: q for q in QUESTIONS}, backoff=BackoffConfig(),
+        judge_groups=judge_groups, on_step=steps.append, push_weights=True,
+        model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args=args,
+        train_dataset=training_dataset(QUESTIONS * 3), processing_class=tokenizer, callbacks=[SwitchMode()],
+    )
+    trainer.train()
+    assert len(outputs) == len(steps) == len(judged) == 3
+    return list(zip(outputs, steps, judged, strict=True)), tokenizer
+
+
+def test_trl_trains_on_evibacks_advantages_with_observations_masked(three_steps):
+    (output, step, judged), tokenizer = three_steps[0][0], three_steps[1]
+    # the teacher saw exactly the all-zero group, once
+    assert judged == ["q-miss"]
+    by_question = {g.question.id: o for g, o in zip(step.batch.groups, step.outcomes, strict=True)}
+    assert by_question["q-hit"].kind.value == "verified" and by_question["q-miss"].kind.value == "fallback"
+    expected = {"q-hit": zscore([1.0, 0.0], 1e-6), "q-miss": tuple(0.1 * a for a in zscore([0.2, 0.8], 1e-6))}
+    # rows are in rollout order: whole groups, in the order of step.batch.groups
+    rows = [a for g in step.batch.groups for a in expected[g.question.id]]
+    assert output["advantages"].tolist() == pytest.approx(rows, rel=1e-5)
+    assert max(abs(a) for a in expected["q-miss"]) == pytest.approx(0.1 * math.sqrt(0.5), rel=1e-4)
+    # every observation token (the retrieved passage, even its fake <answer> tag) is out of the loss
+    for row, trajectory in enumerate(step.batch.trajectories):
+        mask = output["tool_mask"][row].tolist()
+        ids = output["completion_ids"][row].tolist()
+        n = len(trajectory.tokens.ids)
+        assert mask[:n] == list(trajectory.tokens.mask)
+        observed = tokenizer.decode([t for t, m in zip(ids[:n], mask[:n], strict=True) if m == 0])
+        assert "<information>" in observed and "injected" in observed
+        model_text = tokenizer.decode([t for t, m in zip(ids[:n], mask[:n], strict=True) if m == 1])
+        assert "<information>" not in model_text and INVALID_ACTION_MESSAGE not in model_text
+        assert trajectory.answer in ("Napoleon", "William Shakespeare")  # never the injected passage's
+
+
+def test_dapo_drops_zero_variance_groups_from_the_loss(three_steps):
+    output, step, judged = three_steps[0][1]
+    assert judged == []  # no teacher outside EviBack mode
+    for i, (group, outcome) in enumerate(zip(step.batch.groups, step.outcomes, strict=True)):
+        rows = output["tool_mask"][2 * i:2 * i + 2]
+        if group.question.id == "q-miss":
+            assert not outcome.keep and rows.sum() == 0
+        else:
+            assert outcome.keep and rows.sum() > 0
+    kept = (output["completion_mask"] * output["tool_mask"]).sum()
+    assert output["num_items_in_batch"] == kept
+
+
+def test_grpo_mode_gives_all_zero_groups_nothing(three_steps):
+    output, step, judged = three_steps[0][2]
+    assert judged == []
+    for i, group in enumerate(step.batch.groups):
+        if group.question.id == "q-miss":
+            assert output["advantages"][2 * i:2 * i + 2].tolist() == [0.0, 0.0]
+        else:
+            assert output["advantages"][2 * i:2 * i + 2].tolist() == pytest.approx(list(zscore([1.0, 0.0], 1e-6)))
+
+
+def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_path):
+    """After a real optimiser step and the weight push, the engine samples from the updated policy: its
+    sampled-token log-probabilities match a forward pass of the trainer's model, and differ from before."""
+    from transformers import AutoModelForCausalLM
+
+    from eviback.policy import load_tokenizer, resolve_model
+    from eviback.protocol import apply_chat_template
+
+    path = resolve_model("smollm2-135m", "bfloat16")
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = tokenizer(apply_chat_template(tokenizer, "who wrote hamlet"), add_special_tokens=False)["input_ids"]
+    params = SamplingConfig(max_tokens=24, temperature=1.0, stop=())
+
+    def forward_logprobs(ids):  # noqa: ANN001, ANN202
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(ids)])).logits[0, len(prompt) - 1:-1].float()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+
+    try:
+        vllm_backend.reseed(0)
+        [before] = vllm_backend.generate([prompt], params)
+        # one optimiser step that makes a different continuation likely (a large learning rate, so the
+        # update is visible in bf16)
+        target = tokenizer("<search> Hamlet author </search>", add_special_tokens=False)["input_ids"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        ids = torch.tensor([prompt + target])
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+        torch.nn.functional.cross_entropy(logits, torch.tensor(target)).backward()
+        optimizer.step()
+        shifted = (forward_logprobs(before.token_ids) - torch.tensor(before.logprobs)).abs().mean()
+        assert shifted > 0.2  # the update moved the policy on the old sample
+
+        vllm_backend.update_weights(model.named_parameters())
+        vllm_backend.reseed(0)
+        [after] = vllm_backend.generate([prompt], params)
+        gap = (forward_logprobs(after.token_ids) - torch.tensor(after.logprobs)).abs().mean()
+        assert gap < 0.1
+    finally:
+        vllm_backend.update_weights(original.items())
