@@ -1,0 +1,103 @@
+"""`eviback train` end to end, as a user runs it: the real model, the real retriever over the embedded
+corpus, the local teacher; then a run killed with SIGKILL and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from eviback.backoff import BackoffConfig, group_advantages
+from eviback.types import Verdict, from_dict
+
+pytestmark = pytest.mark.slow
+
+# Small enough for a 2-core CI machine: 2 questions x 2 rollouts per step, short turns, HF generation.
+TINY = {
+    "backend": "hf",
+    "warm_start": False,
+    "group_size": 2,
+    "questions_per_step": 2,
+    "max_turns": 1,
+    "max_turn_tokens": 24,
+    "max_obs_tokens": 64,
+    "save_steps": 1,
+    "teacher_backend": "local",
+    "train_files": ["popqa_train"],
+}
+
+
+def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True):  # noqa: ANN001, ANN201
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "max_steps": steps}))
+    command = [sys.executable, "-m", "eviback.cli", "train", "--config", str(config),
+               "--output", str(tmp_path / name), *extra]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
+    if not wait:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=1500)
+
+
+def records(path):  # noqa: ANN001, ANN201
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_writes_a_complete_run_directory(tmp_path):
+    result = run_train(tmp_path, "run", 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["max_steps"] == 2
+    metrics = records(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("rollout/em", "rollout/valid_answer_rate", "rollout/avg_searches", "backoff/all_zero_share",
+                "backoff/fallback_share", "teacher/calls", "teacher/errors", "time/rollout", "time/teacher",
+                "time/update", "train/loss", "memory/peak_rss_gb"):
+        assert key in metrics[0], key
+    groups = records(run / "groups.jsonl")
+    assert len(groups) == 2 * 2 and {g["step"] for g in groups} == {1, 2}
+    backoff = BackoffConfig()
+    for g in groups:
+        assert len(g["rollouts"]) == 2 and len(g["em"]) == 2
+        # the logged advantages are exactly what the pure backoff computes from the logged EM and verdicts
+        verdicts = [from_dict(Verdict, v) for v in g["verdicts"]] if g["verdicts"] else None
+        assert g["advantages"] == pytest.approx(list(group_advantages(g["em"], verdicts, backoff).advantages))
+        # the teacher judged exactly the groups without a verified hit
+        assert (g["verdicts"] is not None) == (max(g["em"]) < 1)
+    step1 = [g for g in groups if g["step"] == 1]
+    judged = sum(len(g["verdicts"]) for g in step1 if g["verdicts"])
+    assert metrics[0]["teacher/judged"] == judged
+    assert metrics[0]["backoff/all_zero_share"] == sum(max(g["em"]) < 1 for g in step1) / len(step1)
+    assert (run / "final" / "model.safetensors").exists() and (run / "report.html").exists()
+    assert (run / "plots" / "training_curves.png").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
+    # the same directory is not silently reused
+    again = run_train(tmp_path, "run", 2)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+    process = run_train(tmp_path, "killed", 3, wait=False)
+    state = tmp_path / "killed" / "checkpoints" / "checkpoint-1" / "trainer_state.json"
+    deadline = time.time() + 1200
+    while not state.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert state.exists(), process.stderr.read()[-3000:] if process.poll() is not None else "no checkpoint"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    before = records(tmp_path / "killed" / "metrics.jsonl")
+    assert before and before[0]["step"] == 1
+
+    result = run_train(tmp_path, "killed", 3, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming" in result.stderr
+    metrics = records(tmp_path / "killed" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # each step logged once; step 1 kept from the first run
+    assert metrics[0] == before[0]
+    groups = records(tmp_path / "killed" / "groups.jsonl")
+    assert sorted({g["step"] for g in groups}) == [1, 2, 3] and len(groups) == 3 * 2
