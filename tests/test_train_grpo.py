@@ -173,7 +173,8 @@ def test_grpo_mode_gives_all_zero_groups_nothing(three_steps):
 
 def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_path):
     """After a real optimiser step and the weight push, the engine samples from the updated policy: its
-    sampled-token log-probabilities match a forward pass of the trainer's model, and differ from before."""
+    sampled-token log-probabilities match a forward pass of the trainer's model (in the engine's dtype,
+    bf16, as the trainer holds it: fp32 masters, bf16 model), and no longer match the old policy."""
     from transformers import AutoModelForCausalLM
 
     from eviback.policy import load_tokenizer, resolve_model
@@ -186,29 +187,34 @@ def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_pat
     prompt = tokenizer(apply_chat_template(tokenizer, "who wrote hamlet"), add_special_tokens=False)["input_ids"]
     params = SamplingConfig(max_tokens=24, temperature=1.0, stop=())
 
-    def forward_logprobs(ids):  # noqa: ANN001, ANN202
+    def forward_logprobs(state, ids):  # noqa: ANN001, ANN202
+        """Sampled-token log-probabilities under `state` rounded to bf16 (computed in fp32)."""
+        model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
         with torch.no_grad():
             logits = model(torch.tensor([prompt + list(ids)])).logits[0, len(prompt) - 1:-1].float()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
 
+    def gap(state, sample) -> float:  # noqa: ANN001
+        return float((forward_logprobs(state, sample.token_ids) - torch.tensor(sample.logprobs)).abs().mean())
+
     try:
         vllm_backend.reseed(0)
         [before] = vllm_backend.generate([prompt], params)
+        assert gap(original, before) < 0.1  # the engine and the trainer agree before training
         # one optimiser step that makes a different continuation likely (a large learning rate, so the
-        # update is visible in bf16)
+        # update survives the rounding to bf16)
         target = tokenizer("<search> Hamlet author </search>", add_special_tokens=False)["input_ids"]
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        ids = torch.tensor([prompt + target])
-        logits = model(ids).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1:-1]
         torch.nn.functional.cross_entropy(logits, torch.tensor(target)).backward()
         optimizer.step()
-        shifted = (forward_logprobs(before.token_ids) - torch.tensor(before.logprobs)).abs().mean()
-        assert shifted > 0.2  # the update moved the policy on the old sample
+        updated = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        assert gap(updated, before) > 0.5  # the update moved the policy on the old sample
 
-        vllm_backend.update_weights(model.named_parameters())
+        vllm_backend.update_weights(updated.items())
         vllm_backend.reseed(0)
         [after] = vllm_backend.generate([prompt], params)
-        gap = (forward_logprobs(after.token_ids) - torch.tensor(after.logprobs)).abs().mean()
-        assert gap < 0.1
+        assert gap(updated, after) < 0.1
+        assert gap(original, after) > 0.5
     finally:
         vllm_backend.update_weights(original.items())
