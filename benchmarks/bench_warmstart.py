@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-examples", type=int, default=200)
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--max-obs-tokens", type=int, default=500, help="warm start and rollouts")
-    parser.add_argument("--benchmarks", nargs="+", default=["nq", "popqa", "hotpotqa"])
+    parser.add_argument("--benchmarks", nargs="*", default=["nq", "popqa", "hotpotqa"])
     parser.add_argument("--limit", type=int, default=50, help="questions per benchmark")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--groups", type=int, default=0, help="training questions for the all-zero share")
@@ -71,12 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     backend = load_backend(BackendConfig(backend=args.backend, model=model))
     rollout = RolloutConfig(max_turns=args.max_turns, max_observation_tokens=args.max_obs_tokens)
     result["eval"] = {}
+    items = []  # every evaluated trajectory, next to the figures, to read what the policy did
     for name in args.benchmarks:
         questions = read_questions(suite.eval[name])[: args.limit]
         started = time.perf_counter()
-        metrics = evaluate(backend, retriever, questions, config=rollout, benchmark=name).metrics
-        result["eval"][name] = {**dataclasses.asdict(metrics), "seconds": round(time.perf_counter() - started, 1)}
+        evaluated = evaluate(backend, retriever, questions, config=rollout, benchmark=name)
+        result["eval"][name] = {**dataclasses.asdict(evaluated.metrics),
+                                "seconds": round(time.perf_counter() - started, 1)}
         logging.info("%s: %s", name, result["eval"][name])
+        items += [{"benchmark": name, "id": i.trajectory.question.id, "question": i.trajectory.question.question,
+                   "golden_answers": list(i.trajectory.question.golden_answers), "answer": i.trajectory.answer,
+                   "em": i.scores.em, "searches": i.stats.searches, "response": i.trajectory.response}
+                  for i in evaluated.items]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out).with_suffix(".items.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
 
     if args.groups:
         questions = [q for path in suite.train for q in read_questions(path)]
@@ -84,15 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         engine = RolloutEngine(backend, retriever, dataclasses.replace(rollout, group_size=args.group_size,
                                                                        temperature=1.0))
         started = time.perf_counter()
-        batch = engine.rollout(questions, seed=0)
-        hits = [[exact_match(t.answer, g.question.golden_answers) for t in g.trajectories] for g in batch.groups]
-        searches = [len(t.queries) for g in batch.groups for t in g.trajectories]
+        groups = []
+        for start in range(0, len(questions), 8):  # 40 sequences per call keeps the KV cache from thrashing
+            groups += engine.rollout(questions[start : start + 8], seed=start).groups
+        hits = [[exact_match(t.answer, g.question.golden_answers) for t in g.trajectories] for g in groups]
+        searches = [len(t.queries) for g in groups for t in g.trajectories]
         result["groups"] = {
             "groups": len(hits),
             "group_size": args.group_size,
             "all_zero_share": sum(max(h) == 0 for h in hits) / len(hits),
             "rollout_em": sum(map(sum, hits)) / (len(hits) * args.group_size),
-            "valid_answer_rate": sum(t.answer is not None for g in batch.groups for t in g.trajectories)
+            "valid_answer_rate": sum(t.answer is not None for g in groups for t in g.trajectories)
             / len(searches),
             "avg_searches": sum(searches) / len(searches),
             "seconds": round(time.perf_counter() - started, 1),
