@@ -13,14 +13,16 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from eviback.protocol import build_prompt
 from eviback.types import Passage, Question
+
+T = TypeVar("T")
 
 
 class DataError(ValueError):
@@ -49,16 +51,40 @@ def open_text(path: str | os.PathLike, mode: str = "r") -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def _json_line(line: str, path: str | os.PathLike, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+
+
 def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) per non-blank line; raises DataError on invalid JSON."""
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                yield number, _json_line(line, path, number)
+
+
+def _parse_lines(
+    path: str | os.PathLike, parse: Callable[[Any, str | os.PathLike, int], T], *, skip_bad: bool,
+    report: ReadReport,
+) -> Iterator[T]:
+    """`parse(object, path, line number)` per non-blank JSON line. A bad line (invalid JSON, or a DataError
+    from `parse`) stops the read, or with `skip_bad` is skipped and recorded in `report`."""
     with open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+                record = parse(_json_line(line, path, number), path, number)
+            except DataError as e:
+                if not skip_bad:
+                    raise
+                report.skipped.append(str(e))
+                continue
+            report.read += 1
+            yield record
 
 
 def _require_str(obj: dict, key: str, path, number: int, allow_empty: bool = False) -> str:
@@ -124,30 +150,17 @@ def read_questions(
     """Read a FlashRAG QA JSONL file (or `.parquet` in Search-R1's layout). Duplicate ids are an error."""
     if str(path).endswith(".parquet"):
         return read_search_r1_parquet(path)
-    report = report if report is not None else ReadReport()
-    questions: list[Question] = []
     seen: dict[str, int] = {}
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
-                question = question_from_json(obj, path, number)
-                if question.id in seen:
-                    raise DataError(path, number, f"duplicate id {question.id!r} (first on line {seen[question.id]})")
-            except DataError as e:
-                if not skip_bad:
-                    raise
-                report.skipped.append(str(e))
-                continue
-            seen[question.id] = number
-            questions.append(question)
-    report.read += len(questions)
-    return questions
+
+    def parse(obj: Any, path: str | os.PathLike, number: int) -> Question:
+        question = question_from_json(obj, path, number)
+        if question.id in seen:
+            raise DataError(path, number, f"duplicate id {question.id!r} (first on line {seen[question.id]})")
+        seen[question.id] = number
+        return question
+
+    report = report if report is not None else ReadReport()
+    return list(_parse_lines(path, parse, skip_bad=skip_bad, report=report))
 
 
 def write_questions(path: str | os.PathLike, questions: Iterable[Question]) -> None:
@@ -191,23 +204,7 @@ def iter_corpus(
 
     Also accepts `{"id", "title", "text"}` lines (the other common layout)."""
     report = report if report is not None else ReadReport()
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
-                passage = passage_from_json(obj, path, number)
-            except DataError as e:
-                if not skip_bad:
-                    raise
-                report.skipped.append(str(e))
-                continue
-            report.read += 1
-            yield passage
+    yield from _parse_lines(path, passage_from_json, skip_bad=skip_bad, report=report)
 
 
 def passage_from_json(obj: Any, path: str | os.PathLike = "<memory>", number: int = 0) -> Passage:

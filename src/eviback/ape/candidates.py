@@ -26,7 +26,7 @@ import enum
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from eviback.teacher.policy import (
     TeacherPolicy,
     load_policy,
 )
+from eviback.teacher.workflow import first_json_object
 from eviback.types import Status, from_dict, to_dict
 
 
@@ -272,24 +273,12 @@ _TOP_KEYS = {"name", "description", "stages", "weights"}
 _STAGE_KEYS = {f.name for f in dataclasses.fields(StageSpec)}
 
 
-def _first_json_object(text: str) -> Mapping[str, Any] | None:
-    decoder = json.JSONDecoder()
-    for match in re.finditer(r"\{", text):
-        try:
-            obj, _ = decoder.raw_decode(text, match.start())
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
-
-
 def parse_proposal(text: str, parent: TeacherPolicy, name: str) -> TeacherPolicy:
     """The policy a controller reply proposes, built over `parent` and named `name`.
 
     Raises :class:`ProposalError` with the reason when the reply holds no JSON object, unknown keys, or a
     structure that is not a valid policy (e.g. a template using an input its stage does not see)."""
-    obj = _first_json_object(text)
+    obj = first_json_object(text)
     if obj is None:
         raise ProposalError("no JSON object in the reply" + (" (it was cut at the token budget?)" if "{" in text else ""))
     if isinstance(obj.get("policy"), dict):

@@ -143,7 +143,8 @@ def _status_of(value: object, allowed: Sequence[Status]) -> Status:
     return status
 
 
-def _first_json_object(text: str) -> dict | None:
+def first_json_object(text: str) -> dict | None:
+    """The first JSON object embedded in `text` (a reply with prose around its JSON), or None."""
     decoder = json.JSONDecoder()
     for match in re.finditer(r"\{", text):
         try:
@@ -161,7 +162,7 @@ def parse_reply(text: str, schema: ReplySchema) -> StageOutput:
     Accepts the JSON object anywhere in the text (servers without structured output wrap it in prose or
     code fences); a bare status label is accepted when status is the only field that matters. Status labels
     may be spelled out ("sufficient"). A missing required field or an unknown label is a violation."""
-    obj = _first_json_object(text)
+    obj = first_json_object(text)
     if obj is None:
         needed = [f for f in schema.fields if f is not OutputField.RATIONALE]
         # a bare label only when no JSON was even attempted: a truncated object is a violation
