@@ -22,7 +22,7 @@ INVALID_JSON = (
 
 
 def test_prompt_is_search_r1_verbatim():
-    assert protocol.PROMPT_PREFIX == json.loads(PREFIX_JSON)
+    assert json.loads(PREFIX_JSON) == protocol.PROMPT_PREFIX
     assert "as your want" in protocol.PROMPT_PREFIX  # the original typo stays
     assert protocol.build_prompt("  who wrote hamlet ") == json.loads(PREFIX_JSON) + "who wrote hamlet?\n"
     assert protocol.build_prompt("Who wrote Hamlet?") .endswith("Question: Who wrote Hamlet?\n")
@@ -34,7 +34,7 @@ def test_chat_messages_is_one_user_message():
 
 
 def test_invalid_message_verbatim():
-    assert protocol.INVALID_ACTION_MESSAGE == json.loads(INVALID_JSON)
+    assert json.loads(INVALID_JSON) == protocol.INVALID_ACTION_MESSAGE
 
 
 def test_observation_rendering_byte_for_byte():

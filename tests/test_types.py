@@ -5,8 +5,19 @@ import json
 import pytest
 
 from eviback.types import (
-    Action, ActionKind, Group, Passage, Question, Status, StopReason, TokenTrace, Trajectory, Turn, Verdict,
-    from_dict, to_dict,
+    Action,
+    ActionKind,
+    Group,
+    Passage,
+    Question,
+    Status,
+    StopReason,
+    TokenTrace,
+    Trajectory,
+    Turn,
+    Verdict,
+    from_dict,
+    to_dict,
 )
 
 
