@@ -12,6 +12,8 @@ logging every step; save the final policy; evaluate it on held-out questions; dr
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,11 +64,29 @@ def initial_policy(config: TrainConfig) -> str:
         return resolve_model(config.model, "float32")
     from eviback.train.sft import WarmStartConfig, warm_start
 
-    return str(warm_start(WarmStartConfig(
+    warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
         max_examples=config.warm_start_examples, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
         seed=config.seed,
-    )))
+    )
+    # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
+    # so that memory is given back before the engine, the trainer and the teacher load. The child saves the
+    # model in the cache; the call below then only finds it there.
+    level = logging.getLogger().getEffectiveLevel()
+    code = f"from eviback.train.runner import _warm_start_child; _warm_start_child({warm.to_dict()!r}, {level})"
+    done = subprocess.run([sys.executable, "-c", code], check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the warm start failed in its process (exit code {done.returncode}); its error is "
+                           "printed above")
+    return str(warm_start(warm))
+
+
+def _warm_start_child(settings: dict, level: int) -> None:
+    """The warm start of `initial_policy`, in its own process (settings: a WarmStartConfig as a dict)."""
+    from eviback.train.sft import WarmStartConfig, warm_start
+
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    warm_start(WarmStartConfig(**settings))
 
 
 def load_policy_for_training(path: str, dtype: str, resume_from: Path | None):  # noqa: ANN201
