@@ -55,20 +55,15 @@ def evaluate_warm_start(out: Path, preset: str) -> None:
     """The held-out evaluation of the runs' common starting point, with the runs' own evaluation settings."""
     import yaml
 
-    from eviback.evaluate import EvalConfig, run_eval
+    from eviback.evaluate import run_eval
     from eviback.train.config import TrainConfig
-    from eviback.train.runner import initial_policy
+    from eviback.train.runner import held_out_eval_config, initial_policy
 
     target = out / "warm-start" / "eval"
     if (target / "summary.json").exists():
         return
     config = TrainConfig(**yaml.safe_load((out / preset / "config.yaml").read_text()))
-    run_eval(EvalConfig(
-        out=str(target), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
-        model=initial_policy(config), backend=config.backend, retriever=config.retriever, topk=config.topk,
-        max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
-        max_observation_tokens=config.max_obs_tokens,
-    ))
+    run_eval(held_out_eval_config(config, target, initial_policy(config)))
 
 
 def summarize_eval(run: Path) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def initial_policy(config: TrainConfig) -> str:
 
     if not config.warm_start:
         return resolve_model(config.model, "float32")
-    from eviback.train.sft import WarmStartConfig, warm_start
+    from eviback.train.sft import WarmStartConfig
 
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
@@ -71,22 +72,27 @@ def initial_policy(config: TrainConfig) -> str:
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
     # so that memory is given back before the engine, the trainer and the teacher load. The child saves the
-    # model in the cache; the call below then only finds it there.
+    # model in the cache and writes its directory to `answer`.
     level = logging.getLogger().getEffectiveLevel()
-    code = f"from eviback.train.runner import _warm_start_child; _warm_start_child({warm.to_dict()!r}, {level})"
-    done = subprocess.run([sys.executable, "-c", code], check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the warm start failed in its process (exit code {done.returncode}); its error is "
-                           "printed above")
-    return str(warm_start(warm))
+    with tempfile.TemporaryDirectory() as tmp:
+        answer = Path(tmp) / "path"
+        code = (f"from eviback.train.runner import _warm_start_child; "
+                f"_warm_start_child({warm.to_dict()!r}, {level}, {str(answer)!r})")
+        done = subprocess.run([sys.executable, "-c", code], check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the warm start failed in its process (exit code {done.returncode}); its error "
+                               "is printed above")
+        return answer.read_text()
 
 
-def _warm_start_child(settings: dict, level: int) -> None:
-    """The warm start of `initial_policy`, in its own process (settings: a WarmStartConfig as a dict)."""
+def _warm_start_child(settings: dict, level: int, answer: str) -> None:
+    """The warm start of `initial_policy`, in its own process (settings: a WarmStartConfig as a dict); the
+    trained model's directory is written to the file `answer`."""
+    from eviback.cli import configure_logging
     from eviback.train.sft import WarmStartConfig, warm_start
 
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    warm_start(WarmStartConfig(**settings))
+    configure_logging(level)
+    Path(answer).write_text(str(warm_start(WarmStartConfig(**settings))))
 
 
 def load_policy_for_training(path: str, dtype: str, resume_from: Path | None):  # noqa: ANN201
@@ -266,17 +272,26 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
 
     summary = None
     if config.eval_benchmarks:
-        from eviback.evaluate import EvalConfig, run_eval
+        from eviback.evaluate import run_eval
 
         backend.update_weights(model.named_parameters())
-        summary = run_eval(EvalConfig(
-            out=str(run.eval_dir), data=config.data, benchmarks=tuple(config.eval_benchmarks),
-            limit=config.eval_limit, model=str(run.final), backend=config.backend, retriever=config.retriever,
-            topk=config.topk, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
-            max_observation_tokens=config.max_obs_tokens, max_context_tokens=engine.config.max_context_tokens,
-        ), backend=backend, retriever=retriever)
+        summary = run_eval(held_out_eval_config(config, run.eval_dir, str(run.final),
+                                                max_context_tokens=engine.config.max_context_tokens),
+                           backend=backend, retriever=retriever)
     report = write_run_report(run, summary)
     return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, report)
+
+
+def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **overrides: Any):  # noqa: ANN201
+    """The EvalConfig of a run's held-out evaluation: its benchmarks and limit, with its rollout settings."""
+    from eviback.evaluate import EvalConfig
+
+    return EvalConfig(
+        out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
+        model=model, backend=config.backend, retriever=config.retriever, topk=config.topk,
+        max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
+        max_observation_tokens=config.max_obs_tokens, **overrides,
+    )
 
 
 def write_run_report(run: RunDir, summary: Any | None) -> Path:
