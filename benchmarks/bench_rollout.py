@@ -148,14 +148,19 @@ def part_batching(args, questions, retriever, vllm) -> dict:
     return out
 
 
-def fixed_turns(backend, prompts: list[list[int]], observations: list[list[list[int]]], tokens: int) -> list[dict]:
+def fixed_turns(backend, prompts: list[list[int]], observations: list[list[list[int]]], tokens: int,
+                split_prefill: bool = False) -> list[dict]:
     """Time turns of exactly `tokens` new tokens each. After turn k every sequence gets observation k
     (`observations[k][i]`, a different one each turn) and turn k+1 continues from the whole history. For
     turns after the first, the same generation from the observation alone (a fresh prompt of the same new
-    tokens, no history) is timed too: the difference is what the history costs."""
+    tokens, no history) is timed too: the difference is what the history costs.
+
+    `split_prefill` (vLLM): afterwards, each turn's prefill alone (one new token) is timed again with the
+    prefix cache as the rollout left it before that turn (the previous turns' contexts and generated tokens
+    cached, nothing else), with history and fresh; the rest of a turn's time is decoding."""
     params = SamplingConfig(max_tokens=tokens, min_tokens=tokens, temperature=1.0, stop=(), logprobs=True)
     contexts = [list(p) for p in prompts]
-    out = []
+    out, history = [], []
     for turn in range(len(observations) + 1):
         started = time.perf_counter()
         completions = backend.generate(contexts, params)
@@ -170,12 +175,31 @@ def fixed_turns(backend, prompts: list[list[int]], observations: list[list[list[
             row["fresh_seconds"] = round(time.perf_counter() - started, 2)
             row["with_history_vs_fresh"] = round(seconds / row["fresh_seconds"], 3)
         out.append(row)
+        history.append((contexts, [list(c.token_ids) for c in completions]))
         log.info("fixed turns: %s", row)
         if turn < len(observations):
             contexts = [c + list(done.token_ids) + obs
                         for c, done, obs in zip(contexts, completions, observations[turn], strict=True)]
     for row in out:
         row["relative_to_turn_1"] = round(row["seconds"] / out[0]["seconds"], 3)
+    if split_prefill:
+        one = SamplingConfig(max_tokens=1, temperature=1.0, stop=())
+        for k, row in enumerate(out):
+            backend.reset_prefix_cache()
+            if k > 0:  # the cache as turn k found it: earlier contexts and their generated tokens
+                before, generated = history[k - 1]
+                backend.generate([c + g for c, g in zip(before, generated, strict=True)], one)
+            started = time.perf_counter()
+            done = backend.generate(history[k][0], one)
+            row["prefill_seconds"] = round(time.perf_counter() - started, 2)
+            row["prefill_cached_tokens"] = sum(c.cached_prompt_tokens for c in done)
+            row["decode_seconds"] = round(row["seconds"] - row["prefill_seconds"], 2)
+            if k > 0:
+                started = time.perf_counter()
+                backend.generate(observations[k - 1], one)
+                row["fresh_prefill_seconds"] = round(time.perf_counter() - started, 2)
+                row["fresh_decode_seconds"] = round(row["fresh_seconds"] - row["fresh_prefill_seconds"], 2)
+            log.info("prefill split: %s", row)
     return out
 
 
@@ -193,7 +217,20 @@ def part_multiturn(args, questions, retriever, vllm, engines: dict | None) -> di
     # Cold start, as in a rollout's first turn: the prompts of the earlier parts are in the cache.
     vllm.reset_prefix_cache()
     vllm.reseed(0)
-    out["vllm_fixed_turns"] = fixed_turns(vllm, prompts, observations, args.turn_tokens)
+    out["vllm_fixed_turns"] = fixed_turns(vllm, prompts, observations, args.turn_tokens, split_prefill=True)
+    if args.no_cache_contrast:  # what re-paying the history each turn costs: the same turns without a prefix cache
+        from eviback.generation.vllm import VllmConfig, get_vllm_backend
+
+        uncached = get_vllm_backend(VllmConfig(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                                               prefix_caching=False))
+        uncached.reseed(0)
+        out["vllm_no_prefix_cache_fixed_turns"] = fixed_turns(uncached, prompts, observations, args.turn_tokens)
+    for size in [int(b) for b in args.block_sizes.split(",") if b]:
+        other = load_backend(BackendConfig(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                                           block_size=size))
+        other.reseed(0)
+        out[f"vllm_block_{size}_fixed_turns"] = fixed_turns(other, prompts, observations, args.turn_tokens,
+                                                             split_prefill=True)
     if args.multiturn_hf_questions:
         hf = HFBackend.load(args.model, args.dtype, batch_size=args.hf_batch_size, threads=args.hf_threads or 1)
         n = args.multiturn_hf_questions
@@ -231,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-questions", type=int, default=64, help="questions (x G) for the HF engine run")
     parser.add_argument("--sequential-questions", type=int, default=8, help="questions (x G) for the one-at-a-time loop")
     parser.add_argument("--turn-tokens", type=int, default=128, help="multiturn: new tokens per fixed turn")
+    parser.add_argument("--no-cache-contrast", action="store_true", help="multiturn: also time an engine without prefix caching")
+    parser.add_argument("--block-sizes", default="", help="multiturn: also time engines with these KV block sizes (e.g. 32,64)")
     parser.add_argument("--multiturn-hf-questions", type=int, default=16, help="multiturn: HF contrast batch (0: skip)")
     parser.add_argument("--parts", default="engines,batching,multiturn")
     parser.add_argument("--out", required=True, help="JSON file for the results")

@@ -128,3 +128,22 @@ def model_spans(t: Trajectory) -> list[tuple[int, int]]:
             spans.append((start, i))
             start = None
     return spans
+
+
+def test_batched_engine_matches_one_trajectory_at_a_time(retriever, questions):
+    """Greedy, float32: all trajectories of a batch together give the same tokens as each one alone,
+    through a search, real passages and a second turn (bf16 kernels are not batch-invariant: a
+    near-tied argmax can flip with the batch shape, so the comparison is made in float32)."""
+    from eviback.generation.hf import HFBackend
+
+    backend = SearchFirst(HFBackend.load("smollm2-135m", dtype="float32", threads=1))
+    config = RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=24, temperature=0)
+    batched = RolloutEngine(backend, retriever, config).rollout(questions).trajectories
+    alone = []
+    for q in questions:
+        for _ in range(config.group_size):
+            backend.first = set()  # each one-trajectory rollout starts with its scripted search again
+            alone.extend(RolloutEngine(backend, retriever, config).rollout([q], group_size=1).trajectories)
+    assert all(len(t.turns) == 2 and t.turns[0].executed for t in batched)
+    assert [t.tokens.ids for t in alone] == [t.tokens.ids for t in batched]
+    assert [t.response for t in alone] == [t.response for t in batched]

@@ -27,6 +27,7 @@ class BackendConfig:
     max_model_len: int = field(default=4096, metadata={"help": "vllm: longest prompt + completion"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vllm on CPU: KV cache GiB (default: $VLLM_CPU_KVCACHE_SPACE or 2)"})
     executor: str = field(default="inprocess", metadata={"help": "vllm: inprocess, multiprocess or external_launcher"})
+    block_size: int | None = field(default=None, metadata={"help": "vllm: KV cache block in tokens, the prefix cache's unit (None: vLLM's default)"})
     hf_batch_size: int = field(default=16, metadata={"help": "hf: sequences per generate call"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (None: the backend's default: vllm 1 while generating, hf torch's own)"})
 
@@ -52,6 +53,7 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
         max_model_len=config.max_model_len,
         kv_cache_gib=config.kv_cache_gib,
         executor=config.executor,
+        block_size=config.block_size,
         **({"threads": config.threads} if config.threads is not None else {}),
     ))
 
