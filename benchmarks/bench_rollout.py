@@ -40,6 +40,7 @@ from eviback.data import load_suite, read_questions
 from eviback.generation import BackendConfig, load_backend
 from eviback.generation.base import SamplingConfig
 from eviback.generation.hf import HFBackend
+from eviback.generation.vllm import VllmConfig, get_vllm_backend
 from eviback.protocol import render_observation
 from eviback.rollout import RolloutBatch, RolloutConfig, RolloutEngine
 
@@ -221,19 +222,16 @@ def part_multiturn(args, questions, retriever, vllm, engines: dict | None) -> di
     vllm.reset_prefix_cache()
     vllm.reseed(0)
     out["vllm_fixed_turns"] = fixed_turns(vllm, prompts, observations, args.turn_tokens, split_prefill=True)
-    if args.no_cache_contrast:  # what re-paying the history each turn costs: the same turns without a prefix cache
-        from eviback.generation.vllm import VllmConfig, get_vllm_backend
-
-        uncached = get_vllm_backend(VllmConfig(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                                               prefix_caching=False))
-        uncached.reseed(0)
-        out["vllm_no_prefix_cache_fixed_turns"] = fixed_turns(uncached, prompts, observations, args.turn_tokens)
-    for size in [int(b) for b in args.block_sizes.split(",") if b]:
-        other = load_backend(BackendConfig(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                                           block_size=size))
+    # Other engines on the same turns: without a prefix cache (what re-paying the history each turn costs),
+    # and with other KV block sizes (the prefix cache's unit). (label, engine settings, split prefill)
+    variants = [("no_prefix_cache", {"prefix_caching": False}, False)] if args.no_cache_contrast else []
+    variants += [(f"block_{int(b)}", {"block_size": int(b)}, True) for b in args.block_sizes.split(",") if b]
+    for label, settings, split in variants:
+        other = get_vllm_backend(VllmConfig(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                                            **settings))
         other.reseed(0)
-        out[f"vllm_block_{size}_fixed_turns"] = fixed_turns(other, prompts, observations, args.turn_tokens,
-                                                             split_prefill=True)
+        out[f"vllm_{label}_fixed_turns"] = fixed_turns(other, prompts, observations, args.turn_tokens,
+                                                       split_prefill=split)
     if args.multiturn_hf_questions:
         hf = HFBackend.load(args.model, args.dtype, batch_size=args.hf_batch_size, threads=args.hf_threads or 1)
         n = args.multiturn_hf_questions
