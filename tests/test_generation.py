@@ -83,6 +83,22 @@ def test_reseed_makes_sampling_reproducible(which, prompts, request):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+@pytest.mark.parametrize("which", ["vllm", "hf"])
+def test_sampling_leaves_the_global_rng_alone(which, prompts, request):
+    """A trainer sharing the process keeps its own random stream: neither reseeding nor sampling moves
+    torch's global RNG, and sampling still differs between two calls without a reseed."""
+    backend = request.getfixturevalue(f"{which}_backend")
+    params = SamplingConfig(max_tokens=8, temperature=1.0, stop=())
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    backend.reseed(7)
+    first = [o.token_ids for o in backend.generate(prompts, params)]
+    second = [o.token_ids for o in backend.generate(prompts, params)]
+    assert torch.equal(torch.rand(4), expected)
+    assert first != second  # the backend's own stream advanced
+
+
 def test_weight_push_into_running_vllm(vllm_backend, hf_backend, prompts):
     params = SamplingConfig(max_tokens=24, temperature=0, stop=())
     before = [o.token_ids for o in vllm_backend.generate(prompts, params)]

@@ -12,8 +12,9 @@ text completes a stop string. That token may carry a few characters past the sto
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -78,7 +79,8 @@ class GenerationBackend(Protocol):
 
     Contract: `generate(prompts, params, max_tokens)` returns one Completion per prompt, in order;
     `max_tokens`, when given, overrides `params.max_tokens` per prompt. `reseed(seed)` makes the following
-    calls reproducible (the same prompts in the same order give the same samples). `update_weights`
+    calls reproducible (the same prompts in the same order give the same samples) and never touches the
+    process's global RNG (see :class:`SamplerRNG`). `update_weights`
     loads new policy weights without restarting the engine and invalidates any cache computed with the
     old ones. `max_context` is the longest prompt + completion the backend accepts."""
 
@@ -95,6 +97,42 @@ class GenerationBackend(Protocol):
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class SamplerRNG:
+    """The random stream a backend samples from, kept apart from the process's global torch RNG.
+
+    In-process engines (vLLM's CPU sampler, HF `generate`) draw from torch's default generator. A trainer
+    sharing the process draws from it too (data order, dropout), so a backend that called
+    `torch.manual_seed` on every rollout would reset the trainer's stream each step. Instead, the
+    backend's own state is swapped in for the duration of each `generate` call (:meth:`active`) and
+    swapped out after it: the global stream continues exactly as if no rollout had happened, and
+    `reseed(seed)` makes the following calls reproducible."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._state = None
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        import torch
+
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self._state = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Sample from this stream inside the block; the global RNG state is restored after it."""
+        import torch
+
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self._state)
+        try:
+            yield
+        finally:
+            self._state = torch.get_rng_state()
+            torch.set_rng_state(saved)
 
 
 def iter_weights(

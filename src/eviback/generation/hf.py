@@ -19,6 +19,7 @@ import torch
 from eviback.generation.base import (
     Completion,
     FinishReason,
+    SamplerRNG,
     SamplingConfig,
     iter_weights,
     request_caps,
@@ -73,6 +74,7 @@ class HFBackend:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 4096))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.rng = SamplerRNG()
 
     @classmethod
     def load(cls, model: str, dtype: str = "bfloat16", threads: int | None = None, batch_size: int = 16) -> HFBackend:
@@ -97,11 +99,12 @@ class HFBackend:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start : start + self.batch_size]
-                outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
-                for i, out in zip(chunk, outs, strict=True):
-                    results[i] = out
+            with self.rng.active():
+                for start in range(0, len(order), self.batch_size):
+                    chunk = order[start : start + self.batch_size]
+                    outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
+                    for i, out in zip(chunk, outs, strict=True):
+                        results[i] = out
         finally:
             torch.set_num_threads(before)
         return [r for r in results if r is not None]
@@ -180,7 +183,7 @@ class HFBackend:
         )
 
     def reseed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        self.rng.reseed(seed)
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy named tensors into the model (names as in its `state_dict`)."""

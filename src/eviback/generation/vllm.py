@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eviback.generation.base import Completion, FinishReason, SamplingConfig, iter_weights, request_caps
+from eviback.generation.base import (
+    Completion,
+    FinishReason,
+    SamplerRNG,
+    SamplingConfig,
+    iter_weights,
+    request_caps,
+)
 from eviback.policy import DEFAULT_MODEL, DTYPES
 
 log = logging.getLogger(__name__)
@@ -111,6 +118,7 @@ class VllmBackend:
             finally:
                 torch.set_num_threads = set_num_threads  # before _threads() restores the caller's count
         self._lock = threading.Lock()  # one generate/update at a time: the engine is not re-entrant
+        self.rng = SamplerRNG(config.seed)  # in-process, the sampler draws from torch's default generator
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
@@ -170,7 +178,7 @@ class VllmBackend:
                 skip_special_tokens=True,
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        with self._lock, self._threads():
+        with self._lock, self._threads(), self._sampling_stream():
             outputs = self.llm.generate(requests, [by_cap[c] for c in caps], use_tqdm=False)
         return [self._completion(out.outputs[0], params, out.num_cached_tokens or 0) for out in outputs]
 
@@ -191,12 +199,24 @@ class VllmBackend:
         return Completion(token_ids=ids, text=text, logprobs=logprobs, finish_reason=reason, cached_prompt_tokens=cached)
 
     def reseed(self, seed: int) -> None:
-        """Reset the sampler's RNG. In-process the sampler draws from this process's torch generator;
-        a multiprocess engine keeps its own stream from its start (`VllmConfig.seed`)."""
+        """Make the following calls reproducible: reset the sampler's own RNG stream (never the process's
+        global one, see :class:`~eviback.generation.base.SamplerRNG`) and drop the prefix cache.
+
+        The cache is dropped because it changes the numerics: a prompt whose prefix is served from the
+        cache is computed in other chunks than one computed from scratch, and in bf16 that can flip a
+        sampled token. After a reseed the same call computes the same way every time. (A multiprocess
+        engine samples in its own process, from the stream `VllmConfig.seed` started.)"""
         if self.config.executor == "multiprocess":
             log.warning("reseed has no effect on a multiprocess vLLM engine; use executor='inprocess'")
             return
-        torch.manual_seed(seed)
+        self.rng.reseed(seed)
+        self.reset_prefix_cache()
+
+    def _sampling_stream(self):  # noqa: ANN202 - a context manager
+        """In-process, sampling draws from the backend's own stream; a multiprocess engine has its own."""
+        if self.config.executor == "multiprocess":
+            return contextlib.nullcontext()
+        return self.rng.active()
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights into the running engine, then drop the prefix cache (its KV was
