@@ -66,6 +66,28 @@ def test_masks_match_the_decoded_text(tokenizer):
     assert t.queries == ("hamlet author",)
 
 
+def test_eos_in_mid_trajectory_leaves_the_context(tokenizer):
+    """Search-R1 decodes each turn without special tokens and re-tokenises it, so an EOS the model sampled
+    in a turn that the trajectory continues after (an invalid action) is gone from the context: the
+    invalid-action message follows the turn's text directly. An EOS that ends the trajectory stays."""
+    eos = tokenizer.eos_token_id
+    script = {"who wrote hamlet": ["no idea", "still thinking"]}  # both turns end with a sampled EOS
+    eng, backend, _ = engine(tokenizer, script, max_turns=1)
+    [t] = eng.rollout([Q1]).trajectories
+    assert [turn.observation for turn in t.turns] == [INVALID_ACTION_MESSAGE, ""]
+    runs = segments(t)
+    assert [m for m, _ in runs] == [1, 0, 1]
+    assert eos not in runs[0][1]  # dropped: the next turn continues from text + invalid message
+    assert runs[2][1][-1] == eos  # the final turn's EOS ends the sequence and is kept
+    assert len(t.tokens.ids) == len(t.tokens.mask) == len(t.tokens.logprobs)
+    second_context = backend.calls[1][0]
+    assert eos not in second_context[len(t.tokens.prompt_ids):]
+
+
+def test_default_turns_are_search_r1_training_settings():
+    assert RolloutConfig().max_turns == 2 and RolloutConfig().group_size == 5 and RolloutConfig().topk == 3
+
+
 def test_turn_limit_and_final_turn_does_not_search(tokenizer):
     script = {"who wrote hamlet": ["<search> hamlet </search>"]}  # searches forever
     eng, backend, retriever = engine(tokenizer, script, max_turns=3)

@@ -52,7 +52,8 @@ class RolloutConfig:
     """Search-R1 rollout settings (defaults: Search-R1's GRPO settings)."""
 
     group_size: int = field(default=5, metadata={"help": "rollouts per question (G)"})
-    max_turns: int = field(default=4, metadata={"help": "turns whose action is executed (so at most this many searches); one final turn follows"})
+    max_turns: int = field(default=2, metadata={"help": "turns whose action is executed (so at most this many "
+                           "searches); one final turn follows (Search-R1 trains with 2)"})
     max_turn_tokens: int = field(default=500, metadata={"help": "new tokens per turn"})
     max_observation_tokens: int = field(default=500, metadata={"help": "an observation is cut to this many tokens"})
     max_context_tokens: int = field(default=4096, metadata={"help": "prompt + response cap; a trajectory reaching it stops (LENGTH)"})
@@ -137,11 +138,18 @@ class _Rollout:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
 
-    def add_model_tokens(self, completion: Completion) -> None:
-        n = len(completion.token_ids)
-        self.ids.extend(completion.token_ids)
-        self.mask.extend([1] * n)
-        self.logprobs.extend(completion.logprobs if completion.logprobs else [0.0] * n)
+    def add_model_tokens(self, completion: Completion, *, drop_eos: bool = False) -> None:
+        """Append the turn's sampled ids (mask 1). With `drop_eos`, a final EOS is left out of the context,
+        as Search-R1 does when the trajectory goes on (it decodes each turn without special tokens and
+        re-tokenises, so an EOS never stays in mid-trajectory)."""
+        ids, logprobs = list(completion.token_ids), list(completion.logprobs)
+        if drop_eos and completion.finish_reason is FinishReason.EOS and ids:
+            ids.pop()
+            if logprobs:
+                logprobs.pop()
+        self.ids.extend(ids)
+        self.mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs if logprobs else [0.0] * len(ids))
 
     def add_observation(self, ids: Sequence[int]) -> None:
         self.ids.extend(ids)
@@ -234,7 +242,9 @@ class RolloutEngine:
             # The action is read from the turn cut after its stop string; the ids stay as sampled (the
             # stop token may carry a few characters past `</search>`).
             action = parse_action(truncate_turn(text))
-            r.add_model_tokens(completion)
+            continues = not final and action.kind is ActionKind.INVALID and not (
+                completion.finish_reason is FinishReason.LENGTH and cap < cfg.max_turn_tokens)
+            r.add_model_tokens(completion, drop_eos=continues)
             if action.kind is ActionKind.ANSWER:
                 r.turns.append(Turn(text, action))
                 r.stop = StopReason.ANSWERED
