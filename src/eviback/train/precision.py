@@ -14,10 +14,12 @@ import torch
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW over the fp32 `master` copy of a bf16 `model`.
 
-    `model` and `master` are the same architecture (same parameter names). Each `step()` copies the bf16
-    gradients into the masters as fp32, runs AdamW on the masters, and copies them back into `model`. The
-    learning-rate scheduler and gradient clipping act as usual (clipping on the bf16 gradients, before
-    the step). After training, `master` holds the trained weights at full precision."""
+    `model` and `master` are the same architecture (same parameter names). Gradients are computed on the
+    bf16 model and summed into fp32 gradient buffers on the masters (:meth:`accumulate`, called after each
+    backward pass by a trainer that accumulates over micro-batches, so the sum is never rounded to bf16);
+    `step()` moves in whatever is still on the model, clips nothing by itself (see
+    :meth:`clip_master_grads`), runs AdamW on the masters, and rounds them back into `model`. After
+    training, `master` holds the trained weights at full precision."""
 
     def __init__(self, model: torch.nn.Module, master: torch.nn.Module, **kwargs) -> None:  # noqa: ANN003
         ours = dict(model.named_parameters())
@@ -39,20 +41,57 @@ class MasterWeightAdamW(torch.optim.AdamW):
             p.copy_(m)
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+    def accumulate(self, *, reduce_earlier: bool = False) -> None:
+        """Add the model's bf16 gradients into the masters' fp32 gradients and clear the model's.
+
+        In a multi-process run, DDP averages the gradients across processes only on the last micro-batch of
+        a step (the earlier ones run under `no_sync`). Called on that micro-batch with
+        `reduce_earlier=True`, the fp32 sum of the earlier micro-batches, which is still local, is
+        averaged across processes first, so the result is the average over processes of the whole sum."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         for p, m in self.pairs:
+            if reduce_earlier and world > 1 and m.grad is not None:
+                torch.distributed.all_reduce(m.grad)
+                m.grad.div_(world)
             if p.grad is None:
-                m.grad = None  # no gradient this step: AdamW skips the parameter
-            elif m.grad is None:
-                m.grad = p.grad.to(torch.float32)  # allocated once, then reused (0.5 GB for 135M)
+                continue
+            if m.grad is None:
+                m.grad = p.grad.to(torch.float32)
             else:
-                m.grad.copy_(p.grad)
+                m.grad.add_(p.grad)
+            p.grad = None
+
+    @torch.no_grad()
+    def master_grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the accumulated fp32 gradients."""
+        grads = [m.grad for _, m in self.pairs if m.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    @torch.no_grad()
+    def clip_master_grads(self, max_norm: float) -> torch.Tensor:
+        """Clip the accumulated fp32 gradients to `max_norm` (as `clip_grad_norm_` does); returns the norm
+        before clipping."""
+        norm = self.master_grad_norm()
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for _, m in self.pairs:
+                if m.grad is not None:
+                    m.grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        self.accumulate()  # a plain loop that never called accumulate(): take the model's gradients now
         loss = super().step(closure)
         self.sync_to_model()
+        for _, m in self.pairs:
+            m.grad = None  # the next step accumulates afresh; a parameter without gradient is skipped
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # The masters' gradient buffers are kept (overwritten at each step); only the model's are cleared.
+        # Only the model's gradients: the masters' sums are consumed (and cleared) by step().
         for p, _ in self.pairs:
             if set_to_none:
                 p.grad = None
