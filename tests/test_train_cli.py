@@ -3,6 +3,7 @@ corpus, the local teacher; then a run killed with SIGKILL and resumed."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -57,13 +58,27 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     for key in ("rollout/em", "rollout/valid_answer_rate", "rollout/avg_searches", "backoff/all_zero_share",
                 "backoff/fallback_share", "teacher/calls", "teacher/errors", "time/rollout", "time/teacher",
-                "time/update", "train/loss", "memory/peak_rss_gb"):
+                "time/update", "train/loss", "memory/peak_rss_gb", "train/engine_logp_diff_mean",
+                "train/engine_logp_diff_max", "train/is_ratio_mean", "rollout/length_cut_share"):
         assert key in metrics[0], key
+    # the engine (a bf16 HF copy) and the trainer (bf16 with fp32 masters) sample the same policy: small
+    # differences, measured; TRL's EOS-based "clipped" figure is replaced by the share cut by the budget
+    assert 0 <= metrics[0]["train/engine_logp_diff_mean"] < 0.5
+    assert 0 <= metrics[0]["rollout/length_cut_share"] <= 1
+    assert json.loads((run / "teacher.json").read_text())["boundary_compliant"] is True
     groups = records(run / "groups.jsonl")
     assert len(groups) == 2 * 2 and {g["step"] for g in groups} == {1, 2}
+    # groups.jsonl stays small: no passage or model text; whole rollouts go to the last steps' dumps only
+    assert "contents" not in (run / "groups.jsonl").read_text()
+    dumps = sorted((run / "rollouts").iterdir())
+    assert [d.name for d in dumps] == ["step-000001.jsonl.gz", "step-000002.jsonl.gz"]
+    with gzip.open(dumps[-1], "rt") as f:
+        full = [json.loads(line) for line in f]
+    assert [g["question_id"] for g in full] == [g["question_id"] for g in groups if g["step"] == 2]
+    assert all(len(g["rollouts"]) == 2 and "turns" in g["rollouts"][0] for g in full)
     backoff = BackoffConfig()
     for g in groups:
-        assert len(g["rollouts"]) == 2 and len(g["em"]) == 2
+        assert len(g["summaries"]) == 2 and len(g["em"]) == 2
         # the logged advantages are exactly what the pure backoff computes from the logged EM and verdicts
         verdicts = [from_dict(Verdict, v) for v in g["verdicts"]] if g["verdicts"] else None
         assert g["advantages"] == pytest.approx(list(group_advantages(g["em"], verdicts, backoff).advantages))
@@ -74,6 +89,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert metrics[0]["teacher/judged"] == judged
     assert metrics[0]["backoff/all_zero_share"] == sum(max(g["em"]) < 1 for g in step1) / len(step1)
     assert (run / "final" / "model.safetensors").exists() and (run / "report.html").exists()
+    assert "<table>" in (run / "report.html").read_text()
     assert (run / "plots" / "training_curves.png").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
     # the same directory is not silently reused
@@ -101,3 +117,20 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert metrics[0] == before[0]
     groups = records(tmp_path / "killed" / "groups.jsonl")
     assert sorted({g["step"] for g in groups}) == [1, 2, 3] and len(groups) == 3 * 2
+
+
+def test_a_leaky_teacher_is_refused_before_anything_runs(tmp_path):
+    """A status stage that sees the gold answers breaks the evidence boundary: `eviback` mode refuses it
+    (nothing is written), and the explicit option runs it as the baseline, recording the verdict."""
+    from eviback.train.config import resolve_config
+    from eviback.train.runner import check_teacher
+
+    result = run_train(tmp_path, "leaky", 1, "--set", "teacher=single-prompt-dual-task")
+    assert result.returncode != 0
+    assert "breaks the evidence boundary" in result.stderr and "allow_leaky_teacher=true" in result.stderr
+    assert not (tmp_path / "leaky").exists()
+    record = check_teacher(resolve_config("eviback-single-prompt"))
+    assert record["boundary_compliant"] is False and record["allowed_leaky"] is True
+    assert len(record["version"]) == 64 and record["boundary_violations"]
+    assert check_teacher(resolve_config("eviback"))["boundary_compliant"] is True
+    assert check_teacher(resolve_config("grpo")) is None

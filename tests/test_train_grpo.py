@@ -218,3 +218,48 @@ def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_pat
         assert gap(original, after) > 0.5
     finally:
         vllm_backend.update_weights(original.items())
+
+
+def test_bf16_steps_update_the_fp32_masters(tmp_path):
+    """The CPU set-up of `eviback train`: a bf16 model with fp32 masters under TRL, two micro-batches per
+    step. The gradients reach the masters (summed in fp32 and clipped there), the masters move, the bf16
+    model is their rounding, and the logged gradient norm is the fp32 sum's."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig
+
+    from eviback.policy import load_tokenizer, resolve_model
+    from eviback.train.grpo import EviBackTrainer, training_dataset
+    from eviback.train.precision import MasterWeightAdamW
+
+    path = resolve_model("smollm2-135m", "float32")
+    tokenizer = load_tokenizer(path)
+    master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    optimizer = MasterWeightAdamW(model, master, lr=1e-4, weight_decay=0.0)
+    before = {k: v.detach().clone() for k, v in master.named_parameters()}
+    engine = RolloutEngine(AlternatingBackend(tokenizer), FixedRetriever(),
+                           RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=32, max_context_tokens=1024))
+    logged = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+            logged.append(dict(logs or {}))
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      num_generations=2, max_steps=1, learning_rate=1e-4, beta=0.0, max_grad_norm=1.0,
+                      use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+                      remove_unused_columns=False, shuffle_dataset=False, disable_tqdm=True)
+    trainer = EviBackTrainer(
+        engine=engine, questions={q.id: q for q in QUESTIONS}, backoff=BackoffConfig(mode=Mode.GRPO),
+        judge_groups=None, on_step=lambda _: None, push_weights=True, master=master, model=model, args=args,
+        train_dataset=training_dataset(QUESTIONS), processing_class=tokenizer, optimizers=(optimizer, None),
+        callbacks=[Logs()],
+    )
+    trainer.train()
+    moved = [k for k, v in master.named_parameters() if not torch.equal(v, before[k])]
+    assert len(moved) > len(before) // 2  # the verified group's advantages moved the masters
+    for name, p in model.named_parameters():
+        assert torch.equal(p, dict(master.named_parameters())[name].to(torch.bfloat16))
+    norms = [entry["grad_norm"] for entry in logged if "grad_norm" in entry]
+    assert norms and norms[0] > 0
+    assert all(p.grad is None for p in model.parameters())  # nothing left in bf16 buffers

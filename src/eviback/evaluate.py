@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,23 +206,62 @@ def summarize(items: Iterable[EvalItem], order: Sequence[str] | None = None) -> 
     )
 
 
+METRIC_COLUMNS = ("n", "EM", "F1", "sub-EM", "valid answer", "avg searches", "duplicate queries", "forced")
+
+
+def summary_rows(summary: EvalSummary) -> list[tuple[str, RolloutMetrics]]:
+    """(name, metrics) per benchmark, then the macro averages that exist."""
+    rows = [(r.name, r.metrics) for r in summary.benchmarks]
+    if summary.single_hop is not None:
+        rows.append(("single-hop (macro)", summary.single_hop))
+    if summary.multi_hop is not None:
+        rows.append(("multi-hop (macro)", summary.multi_hop))
+    rows.append(("overall (macro)", summary.overall))
+    return rows
+
+
+def _cells(m: RolloutMetrics) -> list[str]:
+    return [str(m.n), f"{m.em:.3f}", f"{m.f1:.3f}", f"{m.sub_em:.3f}", f"{m.valid_answer_rate:.3f}",
+            f"{m.avg_searches:.2f}", f"{m.duplicate_query_rate:.3f}", f"{m.forced_termination_rate:.3f}"]
+
+
 def summary_markdown(summary: EvalSummary, title: str = "") -> str:
     """The summary as a markdown table."""
-    head = ("| benchmark | n | EM | F1 | sub-EM | valid answer | avg searches | duplicate queries | forced |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    return comparison_markdown({"": summary}, title)
 
-    def row(name: str, m: RolloutMetrics) -> str:
-        return (f"| {name} | {m.n} | {m.em:.3f} | {m.f1:.3f} | {m.sub_em:.3f} | {m.valid_answer_rate:.3f} | "
-                f"{m.avg_searches:.2f} | {m.duplicate_query_rate:.3f} | {m.forced_termination_rate:.3f} |\n")
 
+def comparison_markdown(summaries: Mapping[str, EvalSummary], title: str = "") -> str:
+    """One markdown table of several policies on the same benchmarks (a `policy` column when there are
+    several): rows benchmark by benchmark, each policy's row beside the others."""
+    named = len(summaries) > 1
+    head = ("| benchmark | " + ("policy | " if named else "") + " | ".join(METRIC_COLUMNS) + " |\n"
+            + "|---|" + ("---|" if named else "") + "---:|" * len(METRIC_COLUMNS) + "\n")
+    per_policy = {name: summary_rows(s) for name, s in summaries.items()}
     lines = [f"## {title}\n\n" if title else "", head]
-    lines += [row(r.name, r.metrics) for r in summary.benchmarks]
-    if summary.single_hop is not None:
-        lines.append(row("**single-hop (macro)**", summary.single_hop))
-    if summary.multi_hop is not None:
-        lines.append(row("**multi-hop (macro)**", summary.multi_hop))
-    lines.append(row("**overall (macro)**", summary.overall))
+    for i, (row_name, _) in enumerate(next(iter(per_policy.values()))):
+        label = f"**{row_name}**" if "macro" in row_name else row_name
+        for policy, rows in per_policy.items():
+            cells = _cells(rows[i][1])
+            lines.append(f"| {label} | " + (f"{policy} | " if named else "") + " | ".join(cells) + " |\n")
     return "".join(lines)
+
+
+def comparison_html(summaries: Mapping[str, EvalSummary]) -> str:
+    """The same table as :func:`comparison_markdown`, as an HTML table."""
+    import html
+
+    named = len(summaries) > 1
+    per_policy = {name: summary_rows(s) for name, s in summaries.items()}
+    head = "<tr><th>benchmark</th>" + ("<th>policy</th>" if named else "") + "".join(
+        f"<th>{html.escape(c)}</th>" for c in METRIC_COLUMNS) + "</tr>"
+    body = []
+    for i, (row_name, _) in enumerate(next(iter(per_policy.values()))):
+        for policy, rows in per_policy.items():
+            style = " style='font-weight:bold'" if "macro" in row_name else ""
+            body.append(f"<tr{style}><td>{html.escape(row_name)}</td>"
+                        + (f"<td>{html.escape(policy)}</td>" if named else "")
+                        + "".join(f"<td style='text-align:right'>{c}</td>" for c in _cells(rows[i][1])) + "</tr>")
+    return "<table>" + head + "".join(body) + "</table>"
 
 
 # --------------------------------------------------------------------------------------------------

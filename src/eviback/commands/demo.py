@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileExistsError(f"{output} exists and is not a demo run; choose another --output")
         shutil.rmtree(output)
 
-    from eviback.evaluate import summary_markdown
+    from eviback.evaluate import comparison_markdown
     from eviback.train.runner import run_training
 
     print(f"eviback demo: warm start (cached after the first run), {config.max_steps} EviBack GRPO steps "
@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     result = run_training(config, output, resume=args.resume)
     if result.eval_summary is not None:
         print()
-        print(summary_markdown(result.eval_summary, title="Held-out evaluation after EviBack training"))
+        tables = {"start": result.start_summary} if result.start_summary is not None else {}
+        print(comparison_markdown({**tables, "trained": result.eval_summary},
+                                  title="Held-out evaluation: the warm start (start) and after EviBack training"))
     print(f"\nrun directory: {result.run_dir}")
     print(f"report:        {result.report}")
     print(f"trajectories:  {result.run_dir / 'eval' / 'viewer.html'}")

@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     result = run_training(config, args.output or f"runs/{args.preset}", resume=args.resume)
     if result.eval_summary is not None:
-        from eviback.evaluate import summary_markdown
+        from eviback.evaluate import comparison_markdown
 
-        print(summary_markdown(result.eval_summary, title="Held-out evaluation"))
+        tables = {"start": result.start_summary} if result.start_summary is not None else {}
+        print(comparison_markdown({**tables, "trained": result.eval_summary}, title="Held-out evaluation"))
     print(f"run: {result.run_dir}\nmodel: {result.final_model}\nreport: {result.report}")
     return 0

@@ -59,8 +59,15 @@ class TrainConfig:
                                "the local backend, the served model name for http"})
     teacher_url: str | None = field(default=None, metadata={"help": "base URL of the OpenAI-compatible server"})
     teacher_concurrency: int = field(default=8, metadata={"help": "concurrent teacher requests"})
+    allow_leaky_teacher: bool = field(default=False, metadata={"help": "accept a teacher policy whose status stage "
+                                      "sees the gold answers (the single-prompt baseline); refused otherwise"})
     # ---- optimisation (TRL GRPOTrainer)
     learning_rate: float = field(default=1e-6, metadata={"help": "Search-R1: 1e-6"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (on the fp32 gradients); 0: off"})
+    is_correction: bool = field(default=True, metadata={"help": "truncated importance sampling against the "
+                                "generation engine's sampled log-probs (behaviour-policy correction)"})
+    is_cap: float = field(default=2.0, metadata={"help": "upper bound of the importance ratio"})
+    is_level: str = field(default="token", metadata={"help": "importance ratio per token or per sequence"})
     beta: float = field(default=0.001, metadata={"help": "KL coefficient (k3 estimator); Search-R1: 0.001"})
     loss_type: str = field(default="dapo", metadata={"help": "TRL's loss aggregation (not the baseline mode): "
                            "dapo = token mean over the batch (Search-R1/verl's token-mean), grpo, bnpo, dr_grpo"})
@@ -69,7 +76,8 @@ class TrainConfig:
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward "
                                          "pass: saves memory on large models, costs ~30% time"})
-    dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype on CPU: bfloat16 or float32"})
+    dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype: bfloat16 (CPU: a bf16 model "
+                       "with fp32 master weights; GPU: fp32 weights under accelerate's bf16 autocast) or float32"})
     seed: int = field(default=0, metadata={"help": "seed for sampling and data order"})
     report_to: list[str] = field(default_factory=list, metadata={"help": "extra logging integrations of "
                                  "transformers (tensorboard, wandb, ...); metrics.jsonl is always written"})
@@ -77,6 +85,11 @@ class TrainConfig:
     eval_benchmarks: list[str] = field(default_factory=list, metadata={"help": "benchmarks to evaluate on after "
                                        "training (held-out files of the suite); empty: none"})
     eval_limit: int = field(default=50, metadata={"help": "questions per benchmark in the final evaluation"})
+    eval_warm_start: bool = field(default=True, metadata={"help": "evaluate the starting policy on the same "
+                                  "questions too, for the before/after table"})
+    # ---- what the run directory keeps
+    keep_rollout_steps: int = field(default=10, metadata={"help": "full rollouts (texts, passages) are kept for "
+                                    "the last N steps in rollouts/; groups.jsonl keeps a compact line per group"})
 
     def __post_init__(self) -> None:
         Mode(self.mode)  # raises with the valid names
@@ -93,6 +106,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_turns < 0:
             raise ValueError(f"max_turns must be >= 0, got {self.max_turns}")
+        if self.is_level not in ("token", "sequence"):
+            raise ValueError(f"is_level must be token or sequence, got {self.is_level!r}")
+        if self.is_cap <= 0:
+            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+        if self.keep_rollout_steps < 0:
+            raise ValueError(f"keep_rollout_steps must be >= 0, got {self.keep_rollout_steps}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
 

@@ -14,7 +14,12 @@ What TRL does here, and what eviback does:
 - Retrieved tokens never reach the loss: the engine's `TokenTrace.mask` goes to TRL as `env_mask`, which TRL
   multiplies into the loss mask (KL included).
 - Before each rollout step the policy's weights are pushed into the vLLM engine (`update_weights`: the
-  worker's `reload_weights`; TRL 1.16's own vLLM sync fails on CPU), so rollouts are on-policy.
+  worker's `reload_weights`; TRL 1.16's own vLLM sync fails on CPU), so rollouts are on-policy up to the
+  engines' numerics; that remaining mismatch is corrected by truncated importance sampling against the
+  engine's sampled log-probs (:class:`BehaviourCorrection`, through TRL's own vLLM correction path).
+- In bf16 on CPU, each micro-batch's gradients are summed in fp32 on the master weights.
+- Several processes: each rolls out and judges its own whole groups; the step's records are gathered and
+  the main process alone calls `on_step`.
 
 TRL 1.16 facts this module relies on (checked against its source; the version is pinned):
 `rollout_func(prompts, trainer)` receives each prompt of the process's generation batch repeated
@@ -42,6 +47,7 @@ from eviback.backoff import (
     BackoffConfig,
     GroupAdvantages,
     GroupKind,
+    Mode,
     group_advantages,
     needs_teacher,
     summarize,
@@ -49,7 +55,8 @@ from eviback.backoff import (
 from eviback.metrics import exact_match
 from eviback.protocol import build_prompt
 from eviback.rollout import RolloutBatch, RolloutEngine
-from eviback.types import Group, Question, Status, Verdict, to_dict
+from eviback.train.precision import MasterWeightAdamW
+from eviback.types import Group, Question, Status, StopReason, Verdict, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,38 @@ MASTER_WEIGHTS = "master.safetensors"  # the fp32 master weights inside a checkp
 def em_reward(completions: list, em: list[float], **_: Any) -> list[float]:
     """TRL's reward function: the actor's EM, computed by the rollout (it reads the model's own text)."""
     return [float(e) for e in em]
+
+
+@dataclass(frozen=True)
+class BehaviourCorrection:
+    """Truncated importance sampling for rollouts sampled by another engine than the trainer.
+
+    The rollouts come from the generation engine (vLLM in bf16, or a second HF copy), whose numerics
+    differ from the trainer's forward pass; without a correction TRL takes the trainer's own log-probs as
+    the behaviour policy (ratio 1). With it, each model token's loss is weighted by
+    `min(exp(logp_trainer - logp_engine), cap)` (`token_truncate`, as TRL's vLLM path and verl do), or
+    the sequence's product (`sequence_truncate`). `enabled=False` still measures the difference (logged as
+    `train/engine_logp_diff_*`) but applies no weight."""
+
+    enabled: bool = True
+    cap: float = 2.0
+    mode: str = "token_truncate"
+
+    def __post_init__(self) -> None:
+        if self.cap <= 0:
+            raise ValueError(f"the importance-sampling cap must be > 0, got {self.cap}")
+        if self.mode not in ("token_truncate", "sequence_truncate"):
+            raise ValueError(f"mode must be token_truncate or sequence_truncate, got {self.mode!r}")
+
+
+class _EngineSync:
+    """What TRL's vLLM path calls before each rollout (`sync_weights`): our weight push into our engine."""
+
+    def __init__(self, trainer: EviBackTrainer) -> None:
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        self.trainer._sync_weights()
 
 
 @dataclass(frozen=True)
@@ -103,6 +142,7 @@ class EviBackTrainer(GRPOTrainer):
         push_weights: bool,
         master: torch.nn.Module | None = None,
         rollout_seed: int = 0,
+        correction: BehaviourCorrection | None = None,
         **kwargs: Any,
     ) -> None:
         self.engine = engine
@@ -117,7 +157,20 @@ class EviBackTrainer(GRPOTrainer):
         self._batch: RolloutBatch | None = None
         self._sync_s = 0.0
         self._weights_step: int | None = None
+        self.correction = correction or BehaviourCorrection()
         super().__init__(rollout_func=self._rollout, reward_funcs=[em_reward], **kwargs)
+        # Behaviour-policy correction through TRL's own vLLM path: with `use_vllm` set, TRL computes the
+        # trainer's log-probs of the sampled tokens ("old" log-probs, one no-grad forward), compares them
+        # with the engine's (the rollout's `logprobs`), logs the difference and multiplies the per-token
+        # loss by the truncated importance ratio. The engine is ours, so TRL's weight sync is pointed at
+        # our push (`_EngineSync`), which TRL calls before each rollout.
+        self.use_vllm = True
+        self.vllm_generation = _EngineSync(self)
+        self._last_loaded_step = -1
+        self.vllm_importance_sampling_correction = True
+        self.vllm_importance_sampling_mode = self.correction.mode
+        self.vllm_importance_sampling_clip_max = self.correction.cap
+        self.vllm_importance_sampling_clip_min = None
 
     # ---- rollouts
 
@@ -136,8 +189,7 @@ class EviBackTrainer(GRPOTrainer):
         if len(prompts) != len(self._pending) * group_size:
             raise RuntimeError(f"TRL passed {len(prompts)} prompts for {len(self._pending)} groups of "
                                f"{group_size}; this adapter is written for trl==1.16.0")
-        self._sync_s = 0.0
-        self._sync_weights()
+        self._sync_weights()  # TRL has called it through `_EngineSync` already; this is a no-op then
         seed = self.rollout_seed * 1_000_003 + self.state.global_step * 97 + self.accelerator.process_index
         self._batch = batch = self.engine.rollout(self._pending, group_size=group_size, seed=seed)
         rows: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "em": []}
@@ -162,6 +214,7 @@ class EviBackTrainer(GRPOTrainer):
             raise RuntimeError("the generation batch does not hold whole groups in a row; "
                                "this adapter is written for trl==1.16.0")
         self._pending = [self.questions_by_id[ids[i]] for i in starts]
+        self._sync_s = 0.0
         output = super()._generate_and_score_completions(inputs)
         batch = self._batch
         if batch is None or len(batch.groups) != len(self._pending):
@@ -181,19 +234,70 @@ class EviBackTrainer(GRPOTrainer):
         device = output["advantages"].device
         output["advantages"] = torch.tensor([a for o in outcomes for a in o.advantages],
                                             dtype=torch.float32, device=device)
-        dropped = [r for i, o in enumerate(outcomes) if not o.keep
-                   for r in range(i * group_size, (i + 1) * group_size)]
-        if dropped:
+        if self.backoff.mode is Mode.DAPO:
             # DAPO-style filtering: a dropped group leaves the loss and its token count (attention is kept).
+            # The token count is a collective: every process takes part, whether it dropped a group or not.
+            dropped = [r for i, o in enumerate(outcomes) if not o.keep
+                       for r in range(i * group_size, (i + 1) * group_size)]
             mask = output.get("tool_mask")
             if mask is None:
                 mask = output["tool_mask"] = torch.ones_like(output["completion_mask"])
-            mask[dropped] = 0
+            if dropped:
+                mask[dropped] = 0
             tokens = (output["completion_mask"] * mask).sum()
             output["num_items_in_batch"] = self.accelerator.gather(tokens).sum()
-        self.on_step(StepOutcome(self.state.global_step + 1, batch, outcomes, tuple(verdicts), teacher_s,
-                                 self._sync_s))
+        if not self.correction.enabled and "importance_sampling_ratio" in output:
+            # Measured (the log-prob difference is logged) but not applied: every ratio is 1.
+            output["importance_sampling_ratio"] = torch.ones_like(output["importance_sampling_ratio"])
+        self._fix_clipped_ratio(batch)
+        outcome = StepOutcome(self.state.global_step + 1, batch, outcomes, tuple(verdicts), teacher_s, self._sync_s)
+        if self.accelerator.num_processes > 1:
+            # One record per step for the whole run: every process's groups, logged by the main process.
+            from accelerate.utils import gather_object
+
+            outcome = merge_outcomes(gather_object([outcome]))
+        if self.accelerator.is_main_process:
+            self.on_step(outcome)
         return output
+
+    def _fix_clipped_ratio(self, batch: RolloutBatch) -> None:
+        """TRL counts a completion as clipped when it does not end with EOS; a trajectory ends on a stop
+        string (`</answer>`) or a forced stop, so its figure read about 1.0. Replace it with the share of
+        trajectories cut by the token budget (stop reason LENGTH), across processes."""
+        values = self._metrics["train"].get("completions/clipped_ratio")
+        if not values:
+            return
+        cut = torch.tensor([float(t.stop_reason is StopReason.LENGTH) for t in batch.trajectories])
+        values[-1] = self.accelerator.gather(cut).mean().item()
+
+    # ---- fp32 gradient accumulation (bf16 model, fp32 masters)
+
+    def _master_optimizer(self) -> MasterWeightAdamW | None:
+        if self.master is None:
+            return None
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        return optimizer if isinstance(optimizer, MasterWeightAdamW) else None
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        optimizer = self._master_optimizer()
+        if optimizer is not None:
+            # Each micro-batch's bf16 gradients go into the fp32 sum at once, so the accumulation over
+            # micro-batches never rounds to bf16.
+            optimizer.accumulate(reduce_earlier=self.accelerator.sync_gradients)
+        return loss
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        optimizer = self._master_optimizer()
+        if optimizer is None:
+            return super()._clip_grad_norm(model)
+        return optimizer.clip_master_grads(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        optimizer = self._master_optimizer()
+        if optimizer is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return optimizer.master_grad_norm()
 
     # ---- checkpoints
 
@@ -213,9 +317,41 @@ class EviBackTrainer(GRPOTrainer):
 # Step records
 
 
+def merge_outcomes(outcomes: Sequence[StepOutcome]) -> StepOutcome:
+    """The step of a multi-process run as one record: every process's groups in process order; the
+    times are the slowest process's (the step waits for it)."""
+    first = outcomes[0]
+    if len(outcomes) == 1:
+        return first
+    batch = RolloutBatch(
+        groups=tuple(g for o in outcomes for g in o.batch.groups),
+        turns=max((o.batch for o in outcomes), key=lambda b: b.wall_s).turns,
+        wall_s=max(o.batch.wall_s for o in outcomes),
+    )
+    return StepOutcome(
+        step=first.step, batch=batch,
+        outcomes=tuple(x for o in outcomes for x in o.outcomes),
+        verdicts=tuple(v for o in outcomes for v in o.verdicts),
+        teacher_s=max(o.teacher_s for o in outcomes),
+        sync_s=max(o.sync_s for o in outcomes),
+    )
+
+
 def peak_rss_gb() -> float:
     """Peak resident memory of this process so far, in GB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
+
+
+def process_gauges() -> dict[str, float | int | None]:
+    """What a long run must keep flat: resident memory now (GB) and open file descriptors (Linux; None
+    where /proc is missing)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])  # noqa: SIM115 - a one-line read
+        rss = pages * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
+        fds = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        return {"memory/rss_gb": None, "process/open_fds": None}
+    return {"memory/rss_gb": round(rss, 3), "process/open_fds": fds}
 
 
 def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]:
@@ -258,8 +394,9 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
 
 
 def group_records(outcome: StepOutcome) -> list[dict[str, Any]]:
-    """One `groups.jsonl` record per group: the rollouts (without token ids), EM, verdicts, rewards,
-    advantages and how the group was treated."""
+    """One record per group with its whole rollouts (without token ids): EM, verdicts, rewards, advantages,
+    how the group was treated. These go to `rollouts/step-<step>.jsonl.gz` (the last few steps only);
+    :func:`compact_group_record` of each goes to `groups.jsonl`."""
     records = []
     for group, o, verdicts in zip(outcome.batch.groups, outcome.outcomes, outcome.verdicts, strict=True):
         records.append({
@@ -277,6 +414,20 @@ def group_records(outcome: StepOutcome) -> list[dict[str, Any]]:
             "rollouts": [to_dict(dataclasses.replace(t, tokens=None)) for t in group.trajectories],
         })
     return records
+
+
+def compact_group_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A group record without texts: per rollout its answer, queries, retrieved passage ids and stop
+    reason (a few hundred bytes per rollout instead of several kB of passages and model text)."""
+    compact = {k: v for k, v in record.items() if k != "rollouts"}
+    compact["summaries"] = [{
+        "answer": r["answer"],
+        "stop_reason": r["stop_reason"],
+        "queries": [t["action"]["content"] for t in r["turns"] if t["executed"]],
+        "passage_ids": [[p["id"] for p in t["passages"]] for t in r["turns"] if t["executed"]],
+        "turns": len(r["turns"]),
+    } for r in record["rollouts"]]
+    return compact
 
 
 def training_dataset(questions: Sequence[Question]):  # noqa: ANN201 - a datasets.Dataset

@@ -3,10 +3,15 @@
     runs/<name>/
       config.yaml      the resolved configuration (a resumed run must match it)
       metrics.jsonl    one record per optimisation step (namespaced keys, e.g. `rollout/em`)
-      groups.jsonl     every group of every step: rollouts, EM, verdicts, rewards, advantages, fallback kind
+      groups.jsonl     one compact line per group of every step: EM, verdicts, rewards, advantages, fallback
+                       kind, and per rollout its answer, queries, passage ids and stop reason (no texts)
+      rollouts/        `step-<step>.jsonl.gz`: the same groups with whole rollouts (model text, observations,
+                       passages), for the last `keep_rollout_steps` steps only, so the directory stays bounded
+      teacher.json     the teacher policy's name, version and evidence-boundary verdict (EviBack runs)
       checkpoints/     TRL checkpoints (`checkpoint-<step>`), the resume points
       final/           the trained policy (safetensors + tokenizer)
       plots/*.png, report.html, eval/   training curves, the HTML report, the held-out evaluation
+      eval-start/      the starting policy (the warm start) on the same held-out questions
 
 Logs are append-only. A run killed at any moment (SIGKILL included) resumes from its last checkpoint; the
 log records of steps after that checkpoint are dropped on resume (those steps are redone), so every line
@@ -15,6 +20,7 @@ of the logs describes exactly one step of the final run.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -28,7 +34,8 @@ from eviback.train.config import TrainConfig
 
 # Settings that may change between a run and its resumption (they do not change what was already done).
 RESUMABLE_CHANGES = frozenset({"max_steps", "save_steps", "save_total_limit", "eval_benchmarks", "eval_limit",
-                               "teacher_url", "teacher_concurrency", "retriever"})
+                               "eval_warm_start", "keep_rollout_steps", "teacher_url", "teacher_concurrency",
+                               "retriever"})
 
 
 class RunDir:
@@ -39,11 +46,14 @@ class RunDir:
         self.config_path = self.root / "config.yaml"
         self.metrics_path = self.root / "metrics.jsonl"
         self.groups_path = self.root / "groups.jsonl"
+        self.rollouts = self.root / "rollouts"
+        self.teacher_path = self.root / "teacher.json"
         self.checkpoints = self.root / "checkpoints"
         self.final = self.root / "final"
         self.plots = self.root / "plots"
         self.report = self.root / "report.html"
         self.eval_dir = self.root / "eval"
+        self.eval_start_dir = self.root / "eval-start"
 
     # ---- configuration
 
@@ -59,7 +69,10 @@ class RunDir:
                     f"{self.root} already holds a run; pass --resume to continue it or choose another --output"
                 )
             previous = yaml.safe_load(self.config_path.read_text())
-            changed = {k for k, v in config.to_dict().items() if previous.get(k) != v} - RESUMABLE_CHANGES
+            # A setting the earlier run's file does not name did not exist then: it ran with its default.
+            defaults = type(config)().to_dict()
+            changed = {k for k, v in config.to_dict().items() if previous.get(k, defaults[k]) != v}
+            changed -= RESUMABLE_CHANGES
             if changed:
                 diffs = ", ".join(f"{k}: {previous.get(k)!r} -> {getattr(config, k)!r}" for k in sorted(changed))
                 raise ValueError(f"cannot resume {self.root} with a different configuration ({diffs})")
@@ -101,8 +114,32 @@ class RunDir:
     def log_groups(self, records: Iterable[dict[str, Any]]) -> None:
         self.append(self.groups_path, records)
 
+    def log_rollouts(self, step: int, records: Iterable[dict[str, Any]], keep: int) -> None:
+        """Write the step's whole rollouts to `rollouts/step-<step>.jsonl.gz` and delete all but the newest
+        `keep` such files (0: none is kept)."""
+        if keep <= 0:
+            return
+        self.rollouts.mkdir(exist_ok=True)
+        path = self.rollouts / f"step-{step:06d}.jsonl.gz"
+        tmp = path.with_name(path.name + ".tmp")
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+        for old in sorted(self.rollout_dumps())[:-keep]:
+            old.unlink()
+
+    def rollout_dumps(self) -> list[Path]:
+        return sorted(self.rollouts.glob("step-*.jsonl.gz")) if self.rollouts.exists() else []
+
+    def write_teacher(self, record: dict[str, Any]) -> None:
+        self.teacher_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
     def truncate_logs(self, step: int) -> None:
         """Keep only the records of steps <= `step` (a torn last line from a kill is dropped too)."""
+        for dump in self.rollout_dumps():
+            if int(dump.name.split("-")[1].split(".")[0]) > step:
+                dump.unlink()
         for path in (self.metrics_path, self.groups_path):
             if not path.exists():
                 continue
@@ -117,6 +154,11 @@ class RunDir:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             os.replace(tmp, path)
+
+    def size_mb(self) -> float:
+        """Everything the run directory holds, in MB."""
+        total = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        return round(total / 1024 ** 2, 2)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_records(self.metrics_path)

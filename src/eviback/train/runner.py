@@ -11,6 +11,7 @@ logging every step; save the final policy; evaluate it on held-out questions; dr
 
 from __future__ import annotations
 
+import enum
 import logging
 import subprocess
 import sys
@@ -30,7 +31,14 @@ log = logging.getLogger(__name__)
 # TRL's log keys -> eviback's namespaced metric keys
 TRL_KEYS = {"loss": "train/loss", "kl": "train/kl", "grad_norm": "train/grad_norm",
             "entropy": "train/entropy", "reward": "train/reward",
-            "clip_ratio/region_mean": "train/clip_ratio", "step_time": "time/step"}
+            "clip_ratio/region_mean": "train/clip_ratio", "step_time": "time/step",
+            "completions/clipped_ratio": "rollout/length_cut_share",
+            # |trainer log-prob - engine log-prob| over the sampled tokens (behaviour-policy mismatch)
+            "sampling/sampling_logp_difference/mean": "train/engine_logp_diff_mean",
+            "sampling/sampling_logp_difference/max": "train/engine_logp_diff_max",
+            "sampling/importance_sampling_ratio/min": "train/is_ratio_min",
+            "sampling/importance_sampling_ratio/mean": "train/is_ratio_mean",
+            "sampling/importance_sampling_ratio/max": "train/is_ratio_max"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,45 @@ class TrainResult:
     resumed_from: int | None
     eval_summary: Any | None  # eviback.evaluate.EvalSummary when held-out benchmarks were evaluated
     report: Path
+    start_summary: Any | None = None  # the starting policy (the warm start) on the same questions
+
+
+class Precision(enum.StrEnum):
+    """How the trainer computes, from `dtype` and the device."""
+
+    MASTERS = "bf16 model + fp32 masters"  # CPU, bfloat16: bf16 forward/backward, fp32 sums and AdamW
+    AUTOCAST = "fp32 model + bf16 autocast"  # GPU, bfloat16: accelerate's mixed precision
+    FLOAT32 = "float32"
+
+
+def training_precision(dtype: str, cuda: bool) -> Precision:
+    """CPUs with bf16 instructions run a bf16 copy fastest (autocast there is about half as fast); on GPUs
+    accelerate's mixed precision is the usual, well-tested way."""
+    if dtype == "float32":
+        return Precision.FLOAT32
+    return Precision.AUTOCAST if cuda else Precision.MASTERS
+
+
+def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
+    """The teacher policy's identity and evidence-boundary verdict (None when the mode has no teacher).
+
+    A policy whose status stage sees the gold answers is refused unless `allow_leaky_teacher` is set:
+    EviBack's claim rests on a gold-blind Stage A, and a leaky policy must never run by accident."""
+    if config.backoff.mode.value != "eviback":
+        return None
+    from eviback.teacher import load_policy
+
+    policy = load_policy(config.teacher)
+    violations = list(policy.boundary_violations())
+    if violations and not config.allow_leaky_teacher:
+        raise ValueError(
+            f"teacher policy {config.teacher!r} (version {policy.short_version}) breaks the evidence boundary: "
+            f"{'; '.join(violations)}. EviBack needs a status stage that never sees the gold answers; to run "
+            "this policy on purpose as a baseline, set allow_leaky_teacher=true (the eviback-single-prompt "
+            "preset does)")
+    return {"policy": config.teacher, "name": policy.name, "version": policy.version,
+            "boundary_compliant": not violations, "boundary_violations": violations,
+            "allowed_leaky": bool(violations)}
 
 
 def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
@@ -95,17 +142,17 @@ def _warm_start_child(settings: dict, level: int, answer: str) -> None:
     Path(answer).write_text(str(warm_start(WarmStartConfig(**settings))))
 
 
-def load_policy_for_training(path: str, dtype: str, resume_from: Path | None):  # noqa: ANN201
-    """(model, master) for `dtype`: in bf16 the model is a bf16 copy trained with fp32 master weights (pure
-    bf16 updates lose lr-sized changes), in fp32 the model itself and no master. A resumed run restores the
-    masters saved in its checkpoint."""
+def load_policy_for_training(path: str, precision: Precision, resume_from: Path | None):  # noqa: ANN201
+    """(model, master) for `precision`: with masters the model is a bf16 copy trained with fp32 master
+    weights (pure bf16 updates lose lr-sized changes); otherwise the fp32 model itself and no master. A
+    resumed run restores the masters saved in its checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eviback.train.grpo import MASTER_WEIGHTS
 
     master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if dtype == "float32":
+    if precision is not Precision.MASTERS:
         return master, None
     if resume_from is not None:
         saved = resume_from / MASTER_WEIGHTS
@@ -136,32 +183,61 @@ def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teac
     ))
 
 
-def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:
+def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:  # noqa: C901
+    """One run, in one process or several (torchrun / accelerate launch): every process rolls out, judges
+    and trains on its own whole groups; the main process alone writes the run directory, saves the final
+    policy and evaluates it."""
     import torch
+    from accelerate import PartialState
     from trl import GRPOConfig
 
     from eviback.generation import BackendConfig, load_backend
     from eviback.policy import load_tokenizer
     from eviback.retrieval import load_retriever, suite_retriever
     from eviback.rollout import RolloutConfig, RolloutEngine
-    from eviback.train.grpo import EviBackTrainer, group_records, peak_rss_gb, step_metrics, training_dataset
+    from eviback.train.grpo import (
+        BehaviourCorrection,
+        EviBackTrainer,
+        compact_group_record,
+        group_records,
+        peak_rss_gb,
+        process_gauges,
+        step_metrics,
+        training_dataset,
+    )
     from eviback.train.precision import MasterWeightAdamW
 
+    teacher_record = check_teacher(config)  # a leaky policy is refused before anything is written
+    # The process group under torchrun/accelerate (one process: nothing to set up). On CPU accelerate forms
+    # the group only when told it is a CPU run, as TRL's Accelerator (use_cpu) is told later.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    main = state.is_main_process
     run = RunDir(output)
-    resumed_from = run.start(config, resume)
+    if main:
+        resumed_from = run.start(config, resume)
+        if teacher_record is not None:
+            run.write_teacher(teacher_record)
+    state.wait_for_everyone()  # the other processes read the directory only once it is prepared
+    if not main:
+        resumed_from = run.last_checkpoint_step()
     checkpoint = run.last_checkpoint()
     if resumed_from:
         log.info("resuming %s from step %d", run.root, resumed_from)
-    if resumed_from is not None and resumed_from >= config.max_steps:
+    if resumed_from is not None and resumed_from > config.max_steps:
+        raise ValueError(f"{run.root} has a checkpoint at step {resumed_from}, past max_steps={config.max_steps}; "
+                         f"resume with max_steps >= {resumed_from}")
+    if resumed_from is not None and resumed_from == config.max_steps:
         log.info("%s already finished %d steps", run.root, resumed_from)
     torch.manual_seed(config.seed)
 
     suite = load_suite(config.data)
     questions = load_training_questions(suite, config.train_files)
     retriever = load_retriever(config.retriever) if config.retriever else suite_retriever(suite)
-    policy_path = initial_policy(config)
+    with state.main_process_first():  # one process builds the cached warm start, the others reuse it
+        policy_path = initial_policy(config)
     tokenizer = load_tokenizer(policy_path)
-    model, master = load_policy_for_training(policy_path, config.dtype, checkpoint)
+    precision = training_precision(config.dtype, torch.cuda.is_available())
+    model, master = load_policy_for_training(policy_path, precision, checkpoint)
     if master is not None:
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
     else:
@@ -177,14 +253,27 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         max_observation_tokens=config.max_obs_tokens, max_context_tokens=min(backend.max_context, max_context),
         topk=config.topk, temperature=config.temperature, top_p=config.top_p,
     ))
+
+    start_summary = None
+    if main and config.eval_benchmarks and config.eval_warm_start:
+        # The engine holds the starting policy now: evaluate it on the held-out questions the trained policy
+        # will be evaluated on (resumable, so a resumed run does not redo it).
+        from eviback.evaluate import run_eval
+
+        log.info("evaluating the starting policy on the held-out questions")
+        start_summary = run_eval(held_out_eval_config(config, run.eval_start_dir, policy_path,
+                                                      max_context_tokens=engine.config.max_context_tokens),
+                                 backend=backend, retriever=retriever)
     teacher = open_teacher(config)
 
     pending: dict[int, dict[str, Any]] = {}
     backoff = config.backoff
 
-    def on_step(outcome) -> None:  # noqa: ANN001 - a StepOutcome
+    def on_step(outcome) -> None:  # noqa: ANN001 - a StepOutcome (called on the main process only)
         pending[outcome.step] = step_metrics(outcome, backoff)
-        run.log_groups(group_records(outcome))
+        records = group_records(outcome)
+        run.log_groups(compact_group_record(r) for r in records)
+        run.log_rollouts(outcome.step, records, config.keep_rollout_steps)
 
     from transformers import TrainerCallback
 
@@ -198,7 +287,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             self.step_started = time.perf_counter()
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
-            if not logs or "loss" not in logs:
+            if not main or not logs or "loss" not in logs:
                 return
             record = pending.pop(state.global_step, {"step": state.global_step})
             for key, name in TRL_KEYS.items():
@@ -212,12 +301,16 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             record["time/step"] = time.perf_counter() - self.step_started
             record["time/update"] = max(0.0, record["time/step"] - spent)
             record["memory/peak_rss_gb"] = round(peak_rss_gb(), 3)
+            record.update(process_gauges())
+            record["run/dir_mb"] = run.size_mb()
+            record["processes"] = state_processes
             run.log_metrics(record)
             log.info("step %d/%d  em %.3f  all-zero %.2f  teacher-reward %.2f  loss %.4f  %.0fs",
                      state.global_step, config.max_steps, record.get("rollout/em", 0),
                      record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_share", 0),
                      record.get("train/loss", 0), record["time/step"])
 
+    state_processes = state.num_processes
     args = GRPOConfig(
         output_dir=str(run.checkpoints),
         per_device_train_batch_size=config.group_size,
@@ -231,6 +324,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         temperature=config.temperature,  # TRL scales logits by it when computing log-probabilities
         top_p=config.top_p,
         max_completion_length=max_context,
+        max_grad_norm=config.max_grad_norm,
         save_strategy="steps",
         save_steps=config.save_steps,
         save_total_limit=config.save_total_limit,
@@ -238,7 +332,8 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         report_to=config.report_to or "none",
         seed=config.seed,
         use_cpu=not torch.cuda.is_available(),
-        bf16=False,  # precision is handled by the bf16 copy + fp32 masters, not by autocast
+        # CPU: precision is the bf16 copy + fp32 masters, not autocast; GPU: accelerate's bf16 autocast
+        bf16=precision is Precision.AUTOCAST,
         fp16=False,
         remove_unused_columns=False,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -253,6 +348,8 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         push_weights=True,
         master=master,
         rollout_seed=config.seed,
+        correction=BehaviourCorrection(enabled=config.is_correction, cap=config.is_cap,
+                                       mode=f"{config.is_level}_truncate"),
         model=model,
         args=args,
         train_dataset=training_dataset(questions),
@@ -263,23 +360,25 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     log.info("trained %d steps in %.0f s", trainer.state.global_step, time.perf_counter() - started)
-
-    final = master if master is not None else model
-    final.save_pretrained(run.final)
-    tokenizer.save_pretrained(run.final)
     if teacher is not None:
         teacher.close()
 
     summary = None
-    if config.eval_benchmarks:
-        from eviback.evaluate import run_eval
+    if main:
+        final = master if master is not None else model
+        final.save_pretrained(run.final)
+        tokenizer.save_pretrained(run.final)
+        if config.eval_benchmarks:
+            from eviback.evaluate import run_eval
 
-        backend.update_weights(model.named_parameters())
-        summary = run_eval(held_out_eval_config(config, run.eval_dir, str(run.final),
-                                                max_context_tokens=engine.config.max_context_tokens),
-                           backend=backend, retriever=retriever)
-    report = write_run_report(run, summary)
-    return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, report)
+            backend.update_weights(model.named_parameters())
+            summary = run_eval(held_out_eval_config(config, run.eval_dir, str(run.final),
+                                                    max_context_tokens=engine.config.max_context_tokens),
+                               backend=backend, retriever=retriever)
+        write_run_report(run, summary, start_summary)
+    state.wait_for_everyone()
+    return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, run.report,
+                       start_summary)
 
 
 def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **overrides: Any):  # noqa: ANN201
@@ -294,16 +393,16 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **ove
     )
 
 
-def write_run_report(run: RunDir, summary: Any | None) -> Path:
-    """The run's HTML report: training curves, and the held-out evaluation when there is one."""
-    import html
-
+def write_run_report(run: RunDir, summary: Any | None, start_summary: Any | None = None) -> Path:
+    """The run's HTML report: training curves, and the held-out evaluation (beside the starting policy's,
+    when it was evaluated) as an HTML table."""
     from eviback.train.plots import write_report
 
     extra = ""
     if summary is not None:
-        from eviback.evaluate import summary_markdown
+        from eviback.evaluate import comparison_html
 
-        extra = ("<h2>Held-out evaluation</h2><pre>" + html.escape(summary_markdown(summary)) + "</pre>"
-                 "<p><a href='eval/viewer.html'>Trajectories of the evaluation, turn by turn</a></p>")
+        tables = {"start": start_summary, "trained": summary} if start_summary is not None else {"trained": summary}
+        extra = ("<h2>Held-out evaluation</h2>" + comparison_html(tables)
+                 + "<p><a href='eval/viewer.html'>Trajectories of the evaluation, turn by turn</a></p>")
     return write_report([run.root], run.root, extra_html=extra)
