@@ -56,7 +56,9 @@ def test_judge_a_dump_writes_verdicts_and_a_summary(dump, tmp_path, capsys):
     assert len(rows) == 5 and all(from_dict(Verdict, r["verdict"]).status is not None for r in rows)
     report = json.loads(summary.read_text())
     assert report["total"]["cache_hits"] == report["total"]["requests"] == 10 and calls == 10
-    assert report["status"]["S"] == 5 and report["stage_b_run_rate"] == 1.0
+    assert report["stage_a_status"]["S"] == 5 and report["stage_b_run_rate"] == 1.0
+    # the fake server's refined answer is not in the evidence: the grounding rule lowers every verdict to I
+    assert report["status"]["I"] == 5 and report["ungrounded"] == 5
     assert "cache hits 10/10" in capsys.readouterr().out
 
 

@@ -8,7 +8,7 @@
 
 DUMP is a JSONL file of trajectories (one `to_dict(Trajectory)` per line) or of evaluation/training records
 with a `trajectory` key. The policy is a built-in name or a frozen file, optionally pinned with `@VERSION`
-(`--policy two-stage@c30cfe44`). Verdicts go to `--out` (JSONL, one per rollout, in input order) and a summary
+(`--policy two-stage@84c3f1f9`). Verdicts go to `--out` (JSONL, one per rollout, in input order) and a summary
 (status distribution, Stage B run rate, S/A->I lowerings, rewards, calls, tokens, cache hits, errors) to
 `--summary` and the terminal. Teacher replies are cached (`--cache`, default in the eviback cache directory):
 a re-run pays only for what it has not asked before.
@@ -144,7 +144,7 @@ def _table(summary) -> str:  # noqa: ANN001 - a JudgeSummary
         "status   " + "  ".join(f"{k}={v}" for k, v in summary.status.items()),
         "stage A  " + "  ".join(f"{k}={v}" for k, v in summary.stage_a_status.items())
         + f"   stage B ran {summary.stage_b_runs} ({summary.stage_b_run_rate:.0%})  lowered "
-        + "  ".join(f"{k}={v}" for k, v in summary.lowered.items()),
+        + "  ".join(f"{k}={v}" for k, v in summary.lowered.items()) + f"  ungrounded={summary.ungrounded}",
         "reward   " + (f"mean {summary.reward_mean:.3f}  " if summary.reward_mean is not None else "")
         + "  ".join(f"{k}:{v}" for k, v in summary.reward_histogram.items()),
         f"calls {t.calls} (retries {t.retries}, schema violations {t.schema_violations})  cache hits "

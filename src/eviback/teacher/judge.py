@@ -297,7 +297,8 @@ _REWARD_BINS = (0.0, 0.25, 0.5, 0.75, 1.0)
 class JudgeSummary:
     """What `eviback judge` reports for a batch of verdicts.
 
-    `lowered` counts Stage B demotions (`S->I`, `A->I`); `reward_histogram` buckets the rewards of the
+    `lowered` counts demotions after Stage A (`S->I`, `A->I`), by a later stage or by the grounding rule;
+    `ungrounded` those by the grounding rule; `reward_histogram` buckets the rewards of the
     verdicts without error: `0` is exactly 0, `(0,0.25]` ... `(0.75,1]`."""
 
     policy: str
@@ -310,6 +311,7 @@ class JudgeSummary:
     stage_b_runs: int
     stage_b_run_rate: float
     lowered: Mapping[str, int]
+    ungrounded: int  # verdicts lowered to I because the refined answer was not in the evidence as seen
     reward_mean: float | None
     reward_histogram: Mapping[str, int]
     stages: Mapping[str, StageStats]
@@ -343,6 +345,7 @@ def summarize(
         stage_a_status={k: stage_a.get(k, 0) for k in ("S", "A", "I")},
         stage_b_runs=runs, stage_b_run_rate=runs / len(verdicts) if verdicts else 0.0,
         lowered={k: lowered.get(k, 0) for k in ("S->I", "A->I")},
+        ungrounded=sum(v.ungrounded for v in ok),
         reward_mean=sum(rewards) / len(rewards) if rewards else None, reward_histogram=histogram,
         stages=dict(stats.by_stage), total=stats.total, wall_s=wall_s,
         rollouts_per_s=len(verdicts) / wall_s if wall_s > 0 else 0.0, error_examples=examples,

@@ -46,7 +46,7 @@ class Input(enum.StrEnum):
     """What a stage may see. Templates refer to them as `$question`, `$evidence`, `$answer`, `$gold`."""
 
     QUESTION = "question"  # the question text (never its id or metadata)
-    EVIDENCE = "evidence"  # every passage the actor retrieved in this rollout, rendered as Search-R1 does
+    EVIDENCE = "evidence"  # the rollout's search results as the actor saw them (after its observation cut)
     ANSWER = "answer"  # the actor's final answer, or a placeholder when it never answered
     GOLD = "gold"  # the gold answers: crossing this into the status decision is reference leakage
 
@@ -144,6 +144,10 @@ class TeacherPolicy:
     stages: tuple[StageSpec, ...]
     weights: RewardWeights = field(default_factory=RewardWeights)
     description: str = ""
+    # The evidence boundary in code for the answer: a refined answer (one a stage wrote) whose normalised
+    # form is not found in the normalised evidence as the actor saw it lowers the verdict to I (reward 0),
+    # so an answer known only from the gold can never earn credit. Turning it off is explicit: False.
+    grounded_answer: bool = True
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -185,8 +189,11 @@ class TeacherPolicy:
     # ----------------------------------------------------------------------------------------------
 
     def canonical_json(self) -> str:
-        """The bytes the version is computed from: sorted keys, no white space, UTF-8."""
-        return json.dumps(to_dict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """The bytes the version is computed from: sorted keys, no white space, UTF-8.
+
+        `grounded_answer=False` is left out, so a policy frozen before the field existed (which never
+        grounded its answers) keeps its version and loads with exactly the behaviour it was frozen with."""
+        return json.dumps(policy_dict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     @property
     def version(self) -> str:
@@ -210,6 +217,22 @@ class TeacherPolicy:
         if self.status_stage.sees_gold:
             reasons.append(f"stage {self.status_stage.name!r} decides the status and sees the gold answers")
         return tuple(reasons)
+
+
+def policy_dict(policy: TeacherPolicy) -> dict[str, Any]:
+    """The policy as plain JSON values (what an artifact stores and the version hashes)."""
+    doc = to_dict(policy)
+    if not policy.grounded_answer:
+        del doc["grounded_answer"]
+    return doc
+
+
+def policy_from_dict(doc: Any) -> TeacherPolicy:
+    """A policy from a frozen artifact's JSON values. A document without `grounded_answer` predates the field: its answers
+    were never grounded, so it loads with `grounded_answer=False` (and its recorded version still holds)."""
+    if isinstance(doc, dict) and "grounded_answer" not in doc:
+        doc = {**doc, "grounded_answer": False}
+    return from_dict(TeacherPolicy, doc)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +264,7 @@ def artifact_json(policy: TeacherPolicy, provenance: Mapping[str, Any] | None = 
         "name": policy.name,
         "version": policy.version,
         "provenance_sha256": _digest(provenance),
-        "policy": to_dict(policy),
+        "policy": policy_dict(policy),
         "provenance": provenance,
     }
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
@@ -281,7 +304,7 @@ def parse_artifact(text: str, where: str = "<memory>") -> PolicyArtifact:
         raise PolicyError(f"{where}: artifact format_version {doc.get('format_version')!r} is not supported "
                           f"(this eviback reads {ARTIFACT_FORMAT_VERSION})")
     try:
-        policy = from_dict(TeacherPolicy, doc["policy"])
+        policy = policy_from_dict(doc["policy"])
     except (KeyError, TypeError, ValueError) as e:
         raise PolicyError(f"{where}: malformed policy: {e}") from None
     recorded = str(doc.get("version", ""))
@@ -344,6 +367,6 @@ def policy_from_json(text: str, where: str = "<memory>") -> TeacherPolicy:
     if isinstance(doc, dict) and doc.get("format") == ARTIFACT_FORMAT:
         return parse_artifact(text, where).policy
     try:
-        return from_dict(TeacherPolicy, doc)
+        return policy_from_dict(doc)  # as in an artifact: an absent grounded_answer means False
     except (KeyError, TypeError, ValueError) as e:
         raise PolicyError(f"{where}: malformed policy: {e}") from None

@@ -245,6 +245,7 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
         "teacher/cache_hits": sum(v.cache_hits for v in judged),
         "teacher/latency_s": sum(v.latency_s for v in judged),
         "teacher/stage_b_runs": sum(v.stage_b_ran for v in judged),
+        "teacher/stage_b_ungrounded": sum(v.ungrounded for v in judged),
         "time/rollout": batch.wall_s - batch.retrieve_s,
         "time/retrieval": batch.retrieve_s,
         "time/teacher": outcome.teacher_s,
