@@ -28,6 +28,7 @@ from pathlib import Path
 from eviback.data import DataError, read_jsonl
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import ChatRequest, SchemaViolation, TeacherCallError, TeacherClient
+from eviback.teacher.labels import Agreement, agreement, trajectory_label
 from eviback.teacher.policy import TeacherPolicy
 from eviback.teacher.workflow import StageOutcome, parse_reply, run_workflow
 from eviback.types import Group, Status, Trajectory, Verdict, from_dict
@@ -269,6 +270,7 @@ class JudgedRollout:
     sample_index: int  # the rollout's position in its group
     teacher_sample: int
     verdict: Verdict
+    label: Status | None = None  # the evidence label (`eviback judge --labels`): the yardstick, never an input
 
 
 def read_trajectories(path: str | Path, limit: int | None = None) -> list[Trajectory]:
@@ -319,6 +321,7 @@ class JudgeSummary:
     wall_s: float
     rollouts_per_s: float
     error_examples: tuple[str, ...] = ()
+    stage_a_agreement: Agreement | None = None  # with the evidence labels (`eviback judge --labels`)
 
 
 def summarize(
@@ -353,7 +356,17 @@ def summarize(
 
 
 def judged_rollouts(
-    trajectories: Iterable[Trajectory], verdicts: Iterable[Verdict], teacher_sample: int = 0
+    trajectories: Iterable[Trajectory], verdicts: Iterable[Verdict], teacher_sample: int = 0,
+    *, labels: bool = False,
 ) -> list[JudgedRollout]:
-    return [JudgedRollout(t.question.id, t.sample_index, teacher_sample, v)
+    """One record per rollout; with `labels`, the evidence label of each rollout beside its verdict."""
+    return [JudgedRollout(t.question.id, t.sample_index, teacher_sample, v,
+                          trajectory_label(t) if labels else None)
             for t, v in zip(trajectories, verdicts, strict=True)]
+
+
+def stage_a_agreement(trajectories: Sequence[Trajectory], verdicts: Sequence[Verdict]) -> Agreement:
+    """How Stage A's status agrees with the evidence labels, over the verdicts without error."""
+    pairs = [(trajectory_label(t), v.stage_a_status) for t, v in zip(trajectories, verdicts, strict=True)
+             if v.stage_a_status is not None]
+    return agreement([p[0] for p in pairs], [p[1] for p in pairs])
