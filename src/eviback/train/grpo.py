@@ -234,6 +234,8 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
         "rollout/trajectories": m.n, "rollout/generated_tokens": batch.generated_tokens,
         "backoff/groups": s.groups, "backoff/verified_share": s.verified / s.groups if s.groups else 0.0,
         "backoff/all_zero_share": s.all_zero_share, "backoff/fallback_share": s.fallback_share,
+        "backoff/fallback_groups": s.fallback, "backoff/informative_fallback_groups": s.informative_fallback,
+        "backoff/informative_fallback_share": s.informative_fallback_share,
         "backoff/teacher_error_groups": s.teacher_error,
         "backoff/teacher_error_share": s.teacher_error / s.groups if s.groups else 0.0,
         "backoff/dropped_groups": s.dropped,

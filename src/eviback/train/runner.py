@@ -213,9 +213,10 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             record["time/update"] = max(0.0, record["time/step"] - spent)
             record["memory/peak_rss_gb"] = round(peak_rss_gb(), 3)
             run.log_metrics(record)
-            log.info("step %d/%d  em %.3f  all-zero %.2f  teacher-reward %.2f  loss %.4f  %.0fs",
+            log.info("step %d/%d  em %.3f  all-zero %.2f  fallback %d (informative %d)  loss %.4f  %.0fs",
                      state.global_step, config.max_steps, record.get("rollout/em", 0),
-                     record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_share", 0),
+                     record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_groups", 0),
+                     record.get("backoff/informative_fallback_groups", 0),
                      record.get("train/loss", 0), record["time/step"])
 
     args = GRPOConfig(
