@@ -136,6 +136,7 @@ class Teacher:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._sleep = time.sleep  # replaced in tests to keep backoff instant
+        self._pool: ThreadPoolExecutor | None = None  # created on the first concurrent judge call
 
     # ----------------------------------------------------------------------------------------------
 
@@ -145,11 +146,17 @@ class Teacher:
         trajectories = list(trajectories)
         if not trajectories:
             return []
-        workers = min(self.config.concurrency, len(trajectories))
-        if workers == 1:
+        if min(self.config.concurrency, len(trajectories)) == 1:
             return [self.judge_one(t, sample_index=sample_index) for t in trajectories]
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="teacher") as pool:
-            return list(pool.map(lambda t: self.judge_one(t, sample_index=sample_index), trajectories))
+        return list(self._executor().map(lambda t: self.judge_one(t, sample_index=sample_index), trajectories))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """One pool for the teacher's life: its threads (and the per-thread cache connections they open)
+        are reused by every call, rather than a new pool, new threads and new connections per call."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="teacher")
+            return self._pool
 
     def judge_groups(self, groups: Sequence[Group], *, sample_index: int = 0) -> list[tuple[Verdict, ...]]:
         """Verdicts per group: all rollouts of all groups are judged concurrently, as one batch."""
@@ -172,6 +179,11 @@ class Teacher:
             return snapshot
 
     def close(self) -> None:
+        """Stop the teacher's threads; with `owns_resources`, also close the client and the cache."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if not self.owns_resources:
             return
         self.client.close()
