@@ -137,6 +137,13 @@ class Teacher:
         self._rng = random.Random(seed)
         self._sleep = time.sleep  # replaced in tests to keep backoff instant
         self._pool: ThreadPoolExecutor | None = None  # created on the first concurrent judge call
+        # stages answered by a classifier artifact instead of `client` (a trained evidence judge)
+        self.stage_clients: dict[str, TeacherClient] = {}
+        for stage in policy.stages:
+            if stage.backend:
+                from eviback.teacher.evidence_judge import open_classifier
+
+                self.stage_clients[stage.name] = open_classifier(stage.backend)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -218,8 +225,9 @@ class Teacher:
         calls = retries = violations = paid_prompt = paid_completion = 0
         latency = 0.0
         key = None
+        client = self.stage_clients.get(request.stage, self.client)
         try:
-            key = request.cache_key(self.policy.version, self.client.backend_id)
+            key = request.cache_key(self.policy.version, client.backend_id)
             if self.cache is not None and (cached := self.cache.get(key)) is not None:
                 try:
                     output = parse_reply(cached.text, request.schema)
@@ -238,7 +246,7 @@ class Teacher:
             start = time.perf_counter()
             reply = None
             try:
-                reply = self.client.complete(request)
+                reply = client.complete(request)
                 latency += time.perf_counter() - start
                 paid_prompt += reply.prompt_tokens  # a malformed reply was paid for too
                 paid_completion += reply.completion_tokens

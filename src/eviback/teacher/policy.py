@@ -34,6 +34,9 @@ from typing import Any
 from eviback.types import Status, from_dict, to_dict
 
 ARTIFACT_FORMAT = "eviback-teacher-policy"
+CLASSIFIER_PREFIX = "evidence-judge:"  # a stage backend that is a trained classifier (evidence_judge.py)
+# The layout a classifier stage's request must have: the question, a blank line, the evidence as seen.
+CLASSIFIER_TEMPLATE = "$question\n\n$evidence"
 ARTIFACT_FORMAT_VERSION = 1
 MIN_VERSION_PREFIX = 8
 
@@ -93,6 +96,10 @@ class StageSpec:
     statuses: tuple[Status, ...] = (Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS)
     run_on: tuple[Status, ...] = ()  # gate: () for the first stage (always runs); else statuses it runs on
     decoding: Decoding = field(default_factory=Decoding)
+    # "" = the teacher's LLM backend. Else a classifier artifact that answers this stage in its place,
+    # identified by content hash, e.g. "evidence-judge:<sha256>" (eviback.teacher.evidence_judge): it is part
+    # of the policy's version, so a policy names exactly which trained judge decides its status.
+    backend: str = ""
 
     @property
     def sees_gold(self) -> bool:
@@ -179,6 +186,16 @@ class TeacherPolicy:
         if unseen:
             raise PolicyError(f"{where}: its template uses {sorted(unseen)} but the stage does not see them; "
                               f"add them to 'sees' or remove them from the template")
+        if stage.backend:
+            if not stage.backend.startswith(CLASSIFIER_PREFIX) or len(stage.backend) <= len(CLASSIFIER_PREFIX):
+                raise PolicyError(f"{where}: backend {stage.backend!r} is not a classifier reference; use "
+                                  f"'{CLASSIFIER_PREFIX}<sha256>' (or '' for the teacher's LLM backend)")
+            if stage.outputs != (OutputField.STATUS,) or stage.sees_gold or Input.ANSWER in stage.sees:
+                raise PolicyError(f"{where}: a classifier stage outputs only 'status' and sees only the question "
+                                  f"and the evidence")
+            if stage.user_template != CLASSIFIER_TEMPLATE or stage.system_prompt:
+                raise PolicyError(f"{where}: a classifier stage's user_template must be {CLASSIFIER_TEMPLATE!r} "
+                                  f"and its system_prompt empty (the classifier reads that layout)")
         if not is_first:
             if not stage.run_on:
                 raise PolicyError(f"{where}: a later stage needs a gate; set run_on, e.g. ['S', 'A']")
@@ -220,10 +237,15 @@ class TeacherPolicy:
 
 
 def policy_dict(policy: TeacherPolicy) -> dict[str, Any]:
-    """The policy as plain JSON values (what an artifact stores and the version hashes)."""
+    """The policy as plain JSON values (what an artifact stores and the version hashes). Fields added after
+    policies were first frozen are left out at their old behaviour (`grounded_answer` false, a stage's
+    `backend` ""), so older artifacts keep their versions."""
     doc = to_dict(policy)
     if not policy.grounded_answer:
         del doc["grounded_answer"]
+    for stage in doc["stages"]:
+        if not stage["backend"]:
+            del stage["backend"]
     return doc
 
 
