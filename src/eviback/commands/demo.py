@@ -6,7 +6,9 @@
 1. Warm start: SmolLM2-135M is fine-tuned on Search-R1 trajectories built from the embedded *training*
    questions with real BM25 searches (cached: a second demo skips it).
 2. EviBack GRPO: a few steps with group size 4 on training questions; all-zero groups are judged by the
-   two-stage teacher (the same small model, in process: no server needed).
+   two-stage teacher, in process (no server needed): Stage A by the trained evidence judge (a small
+   cross-encoder built from 200 training questions on the first demo, then cached; `--set
+   teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B by SmolLM2, grounded.
 3. Evaluation on held-out questions (NQ, PopQA, HotpotQA of the embedded suite), greedy, with the metrics
    table printed and an HTML report (training curves, evaluation, trajectories turn by turn).
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+
+DEMO_JUDGE = ("judge_max_questions=200", "judge_epochs=1")
 
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
 
@@ -34,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from eviback.train.config import resolve_config
 
-    overrides = list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
+    # The demo's evidence judge (Stage A of its local teacher) is a smaller build than `eviback build-judge`'s,
+    # to fit the demo's budget; cached after the first demo. A --set of the same key wins (it comes later).
+    overrides = list(DEMO_JUDGE) + list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
     config = resolve_config("demo", None, overrides)
     output = Path(args.output)
     if output.exists() and not args.resume:

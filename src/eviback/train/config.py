@@ -77,6 +77,14 @@ class TrainConfig:
     eval_benchmarks: list[str] = field(default_factory=list, metadata={"help": "benchmarks to evaluate on after "
                                        "training (held-out files of the suite); empty: none"})
     eval_limit: int = field(default=50, metadata={"help": "questions per benchmark in the final evaluation"})
+    # ---- the trained evidence judge (Stage A of a local teacher)
+    teacher_stage_a: str = field(default="judge", metadata={"help": "with a local teacher and the two-stage "
+                                 "policy: 'judge' decides Stage A with the trained evidence judge (`eviback "
+                                 "build-judge`, built from the training questions on first use, then cached); "
+                                 "'prompted' keeps the policy's prompted Stage A on the local model"})
+    judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is "
+                                     "built from (0: all)"})
+    judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
 
     def __post_init__(self) -> None:
         Mode(self.mode)  # raises with the valid names

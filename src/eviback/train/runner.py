@@ -120,6 +120,24 @@ def load_policy_for_training(path: str, dtype: str, resume_from: Path | None):  
     return model, master
 
 
+def teacher_policy_ref(config: TrainConfig) -> str:
+    """The teacher policy a run uses: `config.teacher`, or, for a local teacher on the two-stage policy with
+    `teacher_stage_a=judge`, the two-stage policy whose Stage A is the trained evidence judge (built from
+    the run's training questions on first use, then cached)."""
+    if config.teacher_stage_a not in ("judge", "prompted"):
+        raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {config.teacher_stage_a!r}")
+    if config.teacher_backend != "local" or config.teacher_stage_a != "judge" or config.teacher != "two-stage":
+        return config.teacher
+    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_judge
+
+    judge = build_judge(EvidenceJudgeConfig(
+        data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
+        epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens, seed=config.seed))
+    log.info("teacher: two-stage with the trained evidence judge %s as Stage A (teacher_stage_a=prompted "
+             "keeps the prompted Stage A)", judge.sha256[:12])
+    return str(judge.policy_path)
+
+
 def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
     if config.backoff.mode.value != "eviback":
         return None
@@ -127,7 +145,7 @@ def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teac
     from eviback.teacher.local import LocalBackendConfig
 
     return build_teacher(TeacherConfig(
-        policy=config.teacher,
+        policy=teacher_policy_ref(config),
         backend=config.teacher_backend,
         local=LocalBackendConfig(model=config.teacher_model),
         http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
