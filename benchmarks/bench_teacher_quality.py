@@ -49,9 +49,9 @@ def status_stage_only(policy: TeacherPolicy) -> TeacherPolicy:
 
 
 def open_policy(ref: str) -> TeacherPolicy:
-    from eviback.teacher.config import _register_judge_beside
+    from eviback.teacher.config import register_judge_beside
 
-    _register_judge_beside(ref)
+    register_judge_beside(ref)
     return load_policy(ref)
 
 

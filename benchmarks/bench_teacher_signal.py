@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from eviback.teacher.config import _register_judge_beside
+    from eviback.teacher.config import register_judge_beside
 
     by_question: dict[str, list] = {}
     for t in read_trajectories(args.rollouts):
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     backoff = BackoffConfig()
     with open_backend(args) as client:
         for ref in args.policies:
-            _register_judge_beside(ref)
+            register_judge_beside(ref)
             policy = load_policy(ref)
             teacher = Teacher(policy, client, JudgeConfig(concurrency=args.concurrency))
             start = time.perf_counter()

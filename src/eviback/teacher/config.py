@@ -59,7 +59,7 @@ def build_teacher(
     pass `model`/`tokenizer` to let the local backend share an already loaded model. The teacher owns its
     client and cache: `teacher.close()` closes them."""
     policy = policy if policy is not None else load_policy(config.policy)
-    _register_judge_beside(config.policy)
+    register_judge_beside(config.policy)
     if config.backend is Backend.LOCAL:
         from eviback.teacher.local import LocalClient
 
@@ -71,7 +71,7 @@ def build_teacher(
     return Teacher(policy, client, config.judge, cache=open_cache(config.cache), owns_resources=True)
 
 
-def _register_judge_beside(ref: str) -> None:
+def register_judge_beside(ref: str) -> None:
     """A policy file inside an evidence judge's directory (`eviback build-judge` writes one there): make
     that judge known to this process, wherever the directory is."""
     from pathlib import Path
