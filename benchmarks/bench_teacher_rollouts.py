@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         group_size=args.group_size, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
         max_observation_tokens=args.max_obs_tokens, temperature=1.0))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python benchmarks/bench_teacher_rollouts.py " + " ".join(argv or []),
+    report = {"command": "python benchmarks/bench_teacher_rollouts.py "
+                         + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": {k: str(v) for k, v in vars(args).items()}, "load_avg_start": os.getloadavg()[0]}
     for name, questions, group in (("train_groups", train, args.group_size), ("heldout", heldout, args.heldout_group)):
         trajectories, start = [], time.perf_counter()
