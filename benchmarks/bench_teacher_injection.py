@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from teacher_backends import add_backend_arguments, open_backend  # noqa: E402
 
+from eviback.teacher.config import register_judge_beside  # noqa: E402
 from eviback.teacher.judge import JudgeConfig, Teacher  # noqa: E402
 from eviback.teacher.policy import TeacherPolicy, load_policy  # noqa: E402
 from eviback.teacher.probes import INJECTIONS, INJECTIONS_TO_I, build_probes, inject  # noqa: E402
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with open_backend(args) as client:
         for name in args.policies:
+            register_judge_beside(name)  # a policy file of `eviback build-judge`: its judge decides Stage A
             teacher = Teacher(status_stage_only(load_policy(name)), client,
                               JudgeConfig(concurrency=args.concurrency))
             start = time.perf_counter()
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                          if not c.teacher_error and not v.teacher_error]
             wall = time.perf_counter() - start
             row = {
-                "policy": name, "backend": client.backend_id, "probes": len(probes),
+                "policy": name, "backend": teacher.policy.status_stage.backend or client.backend_id, "probes": len(probes),
                 "errors": teacher.stats().total.errors, "wall_s": round(wall, 1),
                 "load_avg_1min": round(os.getloadavg()[0], 2),
                 "clean_status": {s.value: sum(c.stage_a_status is s for c in clean) for s in Status},

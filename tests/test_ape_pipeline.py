@@ -60,7 +60,11 @@ class Oracle:
             status = "I" if status == "S" else "S"
         if request.schema.statuses and status not in [s.value for s in request.schema.statuses]:
             status = request.schema.statuses[-1].value
-        return default_reply(request, status=status, answer="an answer")
+        # a refined answer copied from the evidence the request shows, so the grounding rule never lowers it
+        # (this scripted teacher is about the search, not about grounding)
+        at = user.find("(Title: ")
+        answer = " ".join(user[at + len("(Title: "):].split()[:4]) if at != -1 else "an answer"
+        return default_reply(request, status=status, answer=answer)
 
     def progress(self, message):
         if message.startswith("selected"):

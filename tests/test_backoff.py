@@ -117,6 +117,24 @@ def test_summary_counts():
     assert s.all_zero_share == pytest.approx(2 / 3) and s.fallback_share == pytest.approx(1 / 3)
 
 
+def test_informative_fallback_share_counts_only_groups_the_teacher_moved():
+    config = BackoffConfig()
+    outcomes = [
+        group_advantages([0, 0, 0], verdicts(0.5, 0.5, 0.5), config),  # asked, but all equal: no signal
+        group_advantages([0, 0, 0], verdicts(0.0, 0.0, 0.0), config),  # asked, all I: no signal
+        group_advantages([0, 0, 0], verdicts(0.0, 1.0, 0.5), config),  # asked, and it moved
+        group_advantages([1, 0, 0], None, config),  # verified: not a fallback
+    ]
+    assert [o.informative for o in outcomes] == [False, False, True, False]
+    s = summarize(outcomes, config)
+    assert (s.fallback, s.informative_fallback) == (3, 1)
+    assert s.fallback_share == pytest.approx(3 / 4) and s.informative_fallback_share == pytest.approx(1 / 3)
+    # lambda 0 still asks the teacher but its advantages are all zero: nothing is informative
+    silent = summarize([group_advantages([0, 0], verdicts(0.0, 1.0), BackoffConfig(lam=0.0))], config)
+    assert (silent.fallback, silent.informative_fallback) == (1, 0)
+    assert summarize([], config).informative_fallback_share is None
+
+
 def test_config_validation_names_the_fix():
     with pytest.raises(ValueError, match="lam must be"):
         BackoffConfig(lam=-1)

@@ -56,7 +56,9 @@ def test_judge_a_dump_writes_verdicts_and_a_summary(dump, tmp_path, capsys):
     assert len(rows) == 5 and all(from_dict(Verdict, r["verdict"]).status is not None for r in rows)
     report = json.loads(summary.read_text())
     assert report["total"]["cache_hits"] == report["total"]["requests"] == 10 and calls == 10
-    assert report["status"]["S"] == 5 and report["stage_b_run_rate"] == 1.0
+    assert report["stage_a_status"]["S"] == 5 and report["stage_b_run_rate"] == 1.0
+    # the fake server's refined answer is not in the evidence: the grounding rule lowers every verdict to I
+    assert report["status"]["I"] == 5 and report["ungrounded"] == 5
     assert "cache hits 10/10" in capsys.readouterr().out
 
 
@@ -76,3 +78,19 @@ def test_a_malformed_dump_names_the_line(tmp_path, capsys):
     with FaultyChatServer(Fault.OK) as server:
         assert main(["judge", str(bad), "--base-url", server.base_url]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_judge_writes_the_evidence_label_beside_each_verdict(dump, tmp_path, capsys):
+    from eviback.teacher.judge import read_trajectories
+    from eviback.teacher.labels import trajectory_label
+
+    out, summary = tmp_path / "v.jsonl", tmp_path / "s.json"
+    with FaultyChatServer(Fault.OK) as server:
+        assert main(["judge", str(dump), "--base-url", server.base_url, "--out", str(out), "--summary",
+                     str(summary), "--no-cache", "--labels"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = [trajectory_label(t).value for t in read_trajectories(dump)]
+    assert [r["label"] for r in rows] == expected
+    agreement = json.loads(summary.read_text())["stage_a_agreement"]
+    assert agreement["n"] == 5 and sum(agreement["confusion"][k]["S"] for k in "SAI") == 5  # Stage A said S
+    assert "stage A vs label on 5" in capsys.readouterr().out

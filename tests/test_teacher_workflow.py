@@ -4,6 +4,7 @@ import inspect
 
 import pytest
 
+from eviback.protocol import render_observation
 from eviback.teacher.boundary import CanaryAudit, plant_canaries
 from eviback.teacher.cache import MemoryCache
 from eviback.teacher.chat import ReplySchema, SchemaViolation
@@ -13,6 +14,7 @@ from eviback.teacher.policy import OutputField, RewardWeights, load_policy
 from eviback.teacher.probes import build_probes
 from eviback.teacher.workflow import (
     BlindView,
+    SeenEvidence,
     StageOutcome,
     StageOutput,
     blind_view,
@@ -34,7 +36,7 @@ def rollout(golds=("Paris",), answer="Lyon", passages=None):
     passages = passages or (Passage("1", '"France"\nParis is the capital of France.'),)
     question = Question("q1", "What is the capital of France?", tuple(golds), metadata={"note": golds[0]})
     turns = (Turn("<search> capital of France </search>", Action(ActionKind.SEARCH, "capital of France"),
-                  passages, "<information>...</information>", True),
+                  passages, render_observation(passages), True),
              Turn(f"<answer> {answer} </answer>", Action(ActionKind.ANSWER, answer or "")))
     return Trajectory(question, turns, answer, StopReason.ANSWERED)
 
@@ -157,7 +159,8 @@ def test_parse_answer_field():
 def test_the_stage_a_builder_cannot_receive_gold():
     params = inspect.signature(build_blind_request).parameters
     assert list(params) == ["stage", "view", "sample_index"]
-    assert {f for f in BlindView.__dataclass_fields__} == {"question", "evidence", "answer"}
+    assert {f for f in BlindView.__dataclass_fields__} == {"question", "evidence", "answer", "seen"}
+    assert {f for f in SeenEvidence.__dataclass_fields__} == {"text", "passage_ids"}
     view = blind_view(rollout(golds=("GOLDCANARY",)))
     assert "GOLDCANARY" not in repr(view)
     with pytest.raises(ValueError, match="sees gold"):

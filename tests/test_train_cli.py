@@ -30,6 +30,7 @@ TINY = {
     "max_obs_tokens": 64,
     "save_steps": 1,
     "teacher_backend": "local",
+    "teacher_stage_a": "prompted",  # the trained evidence judge's build is tested in test_evidence_judge.py
     "train_files": ["popqa_train"],
 }
 

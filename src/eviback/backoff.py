@@ -78,6 +78,12 @@ class GroupAdvantages:
     advantages: tuple[float, ...]
     keep: bool = True
 
+    @property
+    def informative(self) -> bool:
+        """A fallback group whose teacher rewards differ, so its advantages are not all zero: the teacher
+        gave it a learning signal. (A fallback group whose rollouts all got the same reward has none.)"""
+        return self.kind is GroupKind.FALLBACK and any(a != 0.0 for a in self.advantages)
+
 
 def zscore(values: Sequence[float], eps: float) -> tuple[float, ...]:
     """`(v - mean) / (std + eps)` with the sample std (0 for a single value)."""
@@ -130,9 +136,10 @@ class BatchSummary:
     groups: int
     verified: int
     all_zero: int  # groups without a verified hit, whatever happened next
-    fallback: int  # all-zero groups that trained on teacher rewards
+    fallback: int  # all-zero groups the teacher judged without error (their rewards may all be equal)
     teacher_error: int
     dropped: int
+    informative_fallback: int = 0  # fallback groups whose teacher advantages are not all zero
 
     @property
     def all_zero_share(self) -> float:
@@ -140,7 +147,14 @@ class BatchSummary:
 
     @property
     def fallback_share(self) -> float:
+        """Share of the groups that fell back to the teacher. It says the teacher was *asked*, not that it
+        gave a signal: a fallback group whose rollouts all got the same teacher reward has advantage 0."""
         return self.fallback / self.groups if self.groups else 0.0
+
+    @property
+    def informative_fallback_share(self) -> float | None:
+        """Share of the fallback groups whose teacher advantages are not all zero (None without fallback)."""
+        return self.informative_fallback / self.fallback if self.fallback else None
 
 
 def summarize(outcomes: Sequence[GroupAdvantages], config: BackoffConfig) -> BatchSummary:
@@ -152,4 +166,5 @@ def summarize(outcomes: Sequence[GroupAdvantages], config: BackoffConfig) -> Bat
         fallback=kinds.count(GroupKind.FALLBACK),
         teacher_error=kinds.count(GroupKind.TEACHER_ERROR),
         dropped=kinds.count(GroupKind.DROPPED),
+        informative_fallback=sum(o.informative for o in outcomes),
     )

@@ -269,7 +269,9 @@ class ProposalError(ValueError):
     """A controller reply that cannot become a candidate; the message is the recorded reason."""
 
 
-_TOP_KEYS = {"name", "description", "stages", "weights"}
+# `grounded_answer` is accepted (a full policy echoed back holds it) but ignored: the parent's grounding rule
+# stands, a proposal cannot loosen the evidence boundary
+_TOP_KEYS = {"name", "description", "stages", "weights", "grounded_answer"}
 _STAGE_KEYS = {f.name for f in dataclasses.fields(StageSpec)}
 
 

@@ -6,7 +6,9 @@
 1. Warm start: SmolLM2-135M is fine-tuned on Search-R1 trajectories built from the embedded *training*
    questions with real BM25 searches (cached: a second demo skips it).
 2. EviBack GRPO: a few steps with group size 4 on training questions; all-zero groups are judged by the
-   two-stage teacher (the same small model, in process: no server needed).
+   two-stage teacher, in process (no server needed): Stage A by the trained evidence judge (a small
+   cross-encoder built from 200 training questions on the first demo, then cached; `--set
+   teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B by SmolLM2, grounded.
 3. Evaluation on held-out questions (NQ, PopQA, HotpotQA of the embedded suite), greedy, with the metrics
    table printed and an HTML report (training curves, evaluation, trajectories turn by turn).
 

@@ -8,7 +8,7 @@
 
 DUMP is a JSONL file of trajectories (one `to_dict(Trajectory)` per line) or of evaluation/training records
 with a `trajectory` key. The policy is a built-in name or a frozen file, optionally pinned with `@VERSION`
-(`--policy two-stage@c30cfe44`). Verdicts go to `--out` (JSONL, one per rollout, in input order) and a summary
+(`--policy two-stage@84c3f1f9`). Verdicts go to `--out` (JSONL, one per rollout, in input order) and a summary
 (status distribution, Stage B run rate, S/A->I lowerings, rewards, calls, tokens, cache hits, errors) to
 `--summary` and the terminal. Teacher replies are cached (`--cache`, default in the eviback cache directory):
 a re-run pays only for what it has not asked before.
@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="verdicts JSONL to write (with --freeze: the frozen artifact)")
     parser.add_argument("--summary", help="summary JSON to write")
     parser.add_argument("--limit", type=int, help="judge only the first N rollouts")
+    parser.add_argument("--labels", action="store_true",
+                        help="write each rollout's evidence label (S/A/I from the gold answers and supporting "
+                             "passages; never shown to the teacher) beside its verdict, and Stage A's "
+                             "agreement with the labels in the summary")
     parser.add_argument("--teacher-sample", type=int, default=0,
                         help="teacher sample index (repeated sampling: each index is cached separately)")
     backend = parser.add_argument_group("backend")
@@ -106,11 +110,12 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - a TeacherConfig
 
 
 def _judge(args: argparse.Namespace) -> int:
+    import dataclasses
     import time
 
     from eviback.data import write_jsonl
     from eviback.teacher import OpenAIChatClient, build_teacher, load_policy, read_trajectories, summarize
-    from eviback.teacher.judge import judged_rollouts
+    from eviback.teacher.judge import judged_rollouts, stage_a_agreement
     from eviback.types import to_dict
 
     config = _config(args)
@@ -126,8 +131,11 @@ def _judge(args: argparse.Namespace) -> int:
         verdicts = teacher.judge(trajectories, sample_index=args.teacher_sample)
         wall = time.perf_counter() - start
         summary = summarize(verdicts, policy, teacher.stats(), backend=teacher.client.backend_id, wall_s=wall)
+    if args.labels:
+        summary = dataclasses.replace(summary, stage_a_agreement=stage_a_agreement(trajectories, verdicts))
     if args.out:
-        write_jsonl(args.out, (to_dict(r) for r in judged_rollouts(trajectories, verdicts, args.teacher_sample)))
+        records = judged_rollouts(trajectories, verdicts, args.teacher_sample, labels=args.labels)
+        write_jsonl(args.out, (to_dict(r) for r in records))
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as f:
             f.write(json.dumps(to_dict(summary), indent=2) + "\n")
@@ -144,12 +152,19 @@ def _table(summary) -> str:  # noqa: ANN001 - a JudgeSummary
         "status   " + "  ".join(f"{k}={v}" for k, v in summary.status.items()),
         "stage A  " + "  ".join(f"{k}={v}" for k, v in summary.stage_a_status.items())
         + f"   stage B ran {summary.stage_b_runs} ({summary.stage_b_run_rate:.0%})  lowered "
-        + "  ".join(f"{k}={v}" for k, v in summary.lowered.items()),
+        + "  ".join(f"{k}={v}" for k, v in summary.lowered.items()) + f"  ungrounded={summary.ungrounded}",
         "reward   " + (f"mean {summary.reward_mean:.3f}  " if summary.reward_mean is not None else "")
         + "  ".join(f"{k}:{v}" for k, v in summary.reward_histogram.items()),
         f"calls {t.calls} (retries {t.retries}, schema violations {t.schema_violations})  cache hits "
         f"{t.cache_hits}/{t.requests}  tokens {t.prompt_tokens}+{t.completion_tokens} "
         f"(paid {t.paid_prompt_tokens}+{t.paid_completion_tokens})",
     ]
+    if (a := summary.stage_a_agreement) is not None:
+        def fmt(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.3f}"
+        lines.append(f"labels   stage A vs label on {a.n}: balanced accuracy {fmt(a.balanced_accuracy)}  "
+                     f"S-vs-I {fmt(a.s_vs_i_balanced_accuracy)}  kappa {fmt(a.kappa)}  confusion (label: "
+                     + "  ".join(f"{k}->" + "/".join(str(v) for v in row.values()) for k, row in a.confusion.items())
+                     + " as S/A/I)")
     lines += [f"error: {e}" for e in summary.error_examples]
     return "\n".join(lines)

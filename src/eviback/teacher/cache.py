@@ -3,7 +3,7 @@
 Keys come from :meth:`ChatRequest.cache_key`: (backend model, policy version, stage, exact request, teacher
 sample index). Only replies that parsed into the stage's schema are stored, so a malformed reply is retried
 rather than replayed. :class:`SqliteCache` is one SQLite file in WAL mode: safe for many threads (one
-connection per thread) and for several processes (SQLite's own locking), and it survives a killed run.
+connection per live thread; a dead thread's connection is closed) and for several processes (SQLite's own locking), and it survives a killed run.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ class SqliteCache:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
+        # each connection with the thread that opened it: a connection whose thread has ended is closed
+        # when the next one is opened, so threads that come and go never pile up open files
+        self._connections: list[tuple[threading.Thread, sqlite3.Connection]] = []
         self._lock = threading.Lock()
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
@@ -86,8 +88,20 @@ class SqliteCache:
             db.execute("PRAGMA synchronous=NORMAL")
             self._local.db = db
             with self._lock:
-                self._connections.append(db)
+                alive = []
+                for thread, other in self._connections:
+                    if thread.is_alive():
+                        alive.append((thread, other))
+                    else:
+                        other.close()
+                alive.append((threading.current_thread(), db))
+                self._connections = alive
         return db
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
 
     def get(self, key: str) -> ChatReply | None:
         row = self._connect().execute(
@@ -109,7 +123,7 @@ class SqliteCache:
 
     def close(self) -> None:
         with self._lock:
-            for db in self._connections:
+            for _, db in self._connections:
                 db.close()
             self._connections.clear()
         self._local = threading.local()

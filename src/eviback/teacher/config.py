@@ -59,6 +59,7 @@ def build_teacher(
     pass `model`/`tokenizer` to let the local backend share an already loaded model. The teacher owns its
     client and cache: `teacher.close()` closes them."""
     policy = policy if policy is not None else load_policy(config.policy)
+    register_judge_beside(config.policy)
     if config.backend is Backend.LOCAL:
         from eviback.teacher.local import LocalClient
 
@@ -68,3 +69,15 @@ def build_teacher(
 
         client = OpenAIChatClient(config.http)
     return Teacher(policy, client, config.judge, cache=open_cache(config.cache), owns_resources=True)
+
+
+def register_judge_beside(ref: str) -> None:
+    """A policy file inside an evidence judge's directory (`eviback build-judge` writes one there): make
+    that judge known to this process, wherever the directory is."""
+    from pathlib import Path
+
+    path = Path(ref.rsplit("@", 1)[0]) if "@" in ref else Path(ref)
+    if path.is_file() and (path.parent / "judge.json").exists():
+        from eviback.teacher.evidence_judge import load_judge
+
+        load_judge(path.parent)

@@ -28,6 +28,7 @@ from pathlib import Path
 from eviback.data import DataError, read_jsonl
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import ChatRequest, SchemaViolation, TeacherCallError, TeacherClient
+from eviback.teacher.labels import Agreement, agreement, trajectory_label
 from eviback.teacher.policy import TeacherPolicy
 from eviback.teacher.workflow import StageOutcome, parse_reply, run_workflow
 from eviback.types import Group, Status, Trajectory, Verdict, from_dict
@@ -135,6 +136,14 @@ class Teacher:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._sleep = time.sleep  # replaced in tests to keep backoff instant
+        self._pool: ThreadPoolExecutor | None = None  # created on the first concurrent judge call
+        # stages answered by a classifier artifact instead of `client` (a trained evidence judge)
+        self.stage_clients: dict[str, TeacherClient] = {}
+        for stage in policy.stages:
+            if stage.backend:
+                from eviback.teacher.evidence_judge import open_classifier
+
+                self.stage_clients[stage.name] = open_classifier(stage.backend)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -144,11 +153,17 @@ class Teacher:
         trajectories = list(trajectories)
         if not trajectories:
             return []
-        workers = min(self.config.concurrency, len(trajectories))
-        if workers == 1:
+        if min(self.config.concurrency, len(trajectories)) == 1:
             return [self.judge_one(t, sample_index=sample_index) for t in trajectories]
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="teacher") as pool:
-            return list(pool.map(lambda t: self.judge_one(t, sample_index=sample_index), trajectories))
+        return list(self._executor().map(lambda t: self.judge_one(t, sample_index=sample_index), trajectories))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """One pool for the teacher's life: its threads (and the per-thread cache connections they open)
+        are reused by every call, rather than a new pool, new threads and new connections per call."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="teacher")
+            return self._pool
 
     def judge_groups(self, groups: Sequence[Group], *, sample_index: int = 0) -> list[tuple[Verdict, ...]]:
         """Verdicts per group: all rollouts of all groups are judged concurrently, as one batch."""
@@ -171,6 +186,11 @@ class Teacher:
             return snapshot
 
     def close(self) -> None:
+        """Stop the teacher's threads; with `owns_resources`, also close the client and the cache."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if not self.owns_resources:
             return
         self.client.close()
@@ -205,8 +225,9 @@ class Teacher:
         calls = retries = violations = paid_prompt = paid_completion = 0
         latency = 0.0
         key = None
+        client = self.stage_clients.get(request.stage, self.client)
         try:
-            key = request.cache_key(self.policy.version, self.client.backend_id)
+            key = request.cache_key(self.policy.version, client.backend_id)
             if self.cache is not None and (cached := self.cache.get(key)) is not None:
                 try:
                     output = parse_reply(cached.text, request.schema)
@@ -225,7 +246,7 @@ class Teacher:
             start = time.perf_counter()
             reply = None
             try:
-                reply = self.client.complete(request)
+                reply = client.complete(request)
                 latency += time.perf_counter() - start
                 paid_prompt += reply.prompt_tokens  # a malformed reply was paid for too
                 paid_completion += reply.completion_tokens
@@ -269,6 +290,7 @@ class JudgedRollout:
     sample_index: int  # the rollout's position in its group
     teacher_sample: int
     verdict: Verdict
+    label: Status | None = None  # the evidence label (`eviback judge --labels`): the yardstick, never an input
 
 
 def read_trajectories(path: str | Path, limit: int | None = None) -> list[Trajectory]:
@@ -297,7 +319,8 @@ _REWARD_BINS = (0.0, 0.25, 0.5, 0.75, 1.0)
 class JudgeSummary:
     """What `eviback judge` reports for a batch of verdicts.
 
-    `lowered` counts Stage B demotions (`S->I`, `A->I`); `reward_histogram` buckets the rewards of the
+    `lowered` counts demotions after Stage A (`S->I`, `A->I`), by a later stage or by the grounding rule;
+    `ungrounded` those by the grounding rule; `reward_histogram` buckets the rewards of the
     verdicts without error: `0` is exactly 0, `(0,0.25]` ... `(0.75,1]`."""
 
     policy: str
@@ -310,6 +333,7 @@ class JudgeSummary:
     stage_b_runs: int
     stage_b_run_rate: float
     lowered: Mapping[str, int]
+    ungrounded: int  # verdicts lowered to I because the refined answer was not in the evidence as seen
     reward_mean: float | None
     reward_histogram: Mapping[str, int]
     stages: Mapping[str, StageStats]
@@ -317,6 +341,7 @@ class JudgeSummary:
     wall_s: float
     rollouts_per_s: float
     error_examples: tuple[str, ...] = ()
+    stage_a_agreement: Agreement | None = None  # with the evidence labels (`eviback judge --labels`)
 
 
 def summarize(
@@ -343,6 +368,7 @@ def summarize(
         stage_a_status={k: stage_a.get(k, 0) for k in ("S", "A", "I")},
         stage_b_runs=runs, stage_b_run_rate=runs / len(verdicts) if verdicts else 0.0,
         lowered={k: lowered.get(k, 0) for k in ("S->I", "A->I")},
+        ungrounded=sum(v.ungrounded for v in ok),
         reward_mean=sum(rewards) / len(rewards) if rewards else None, reward_histogram=histogram,
         stages=dict(stats.by_stage), total=stats.total, wall_s=wall_s,
         rollouts_per_s=len(verdicts) / wall_s if wall_s > 0 else 0.0, error_examples=examples,
@@ -350,7 +376,17 @@ def summarize(
 
 
 def judged_rollouts(
-    trajectories: Iterable[Trajectory], verdicts: Iterable[Verdict], teacher_sample: int = 0
+    trajectories: Iterable[Trajectory], verdicts: Iterable[Verdict], teacher_sample: int = 0,
+    *, labels: bool = False,
 ) -> list[JudgedRollout]:
-    return [JudgedRollout(t.question.id, t.sample_index, teacher_sample, v)
+    """One record per rollout; with `labels`, the evidence label of each rollout beside its verdict."""
+    return [JudgedRollout(t.question.id, t.sample_index, teacher_sample, v,
+                          trajectory_label(t) if labels else None)
             for t, v in zip(trajectories, verdicts, strict=True)]
+
+
+def stage_a_agreement(trajectories: Sequence[Trajectory], verdicts: Sequence[Verdict]) -> Agreement:
+    """How Stage A's status agrees with the evidence labels, over the verdicts without error."""
+    pairs = [(trajectory_label(t), v.stage_a_status) for t, v in zip(trajectories, verdicts, strict=True)
+             if v.stage_a_status is not None]
+    return agreement([p[0] for p in pairs], [p[1] for p in pairs])

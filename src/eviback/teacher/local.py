@@ -37,6 +37,10 @@ class LocalBackendConfig:
     threads: int | None = None
 
 
+# Upper bound on the tokens of one field's JSON skeleton (`{"status": "`, the label, the closing quote).
+_SKELETON_TOKENS_PER_FIELD = 16
+
+
 class LocalClient:
     """A :class:`~eviback.teacher.chat.TeacherClient` on an in-process transformers model.
 
@@ -69,20 +73,35 @@ class LocalClient:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def complete(self, request: ChatRequest) -> ChatReply:
-        start = time.perf_counter()
-        try:
-            return self._complete(request, start)
-        except (RuntimeError, ValueError, IndexError) as e:
-            # e.g. a prompt longer than the model's context: this request cannot succeed as it is
-            raise PermanentError(f"local model failed on this request: {type(e).__name__}: {e}") from None
+    @property
+    def context_tokens(self) -> int | None:
+        """The model's context length (None when its config does not say)."""
+        value = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) else None
 
-    def _complete(self, request: ChatRequest, start: float) -> ChatReply:
+    def complete(self, request: ChatRequest) -> ChatReply:
+        """The reply to `request`. Only a request that cannot succeed as it is (a prompt that, with the reply
+        budget, does not fit the model's context: checked before running) is a :class:`PermanentError`, so a
+        teacher error. Anything else the model raises (out of memory, a bug) propagates: it stops the run
+        instead of being counted as a teacher error while training goes on."""
+        start = time.perf_counter()
+        prompt_ids = self._prompt_ids(request)
+        limit = self.context_tokens
+        # the reply: the field budget, plus the JSON skeleton and labels around each field
+        needed = len(prompt_ids) + request.decoding.max_tokens + _SKELETON_TOKENS_PER_FIELD * len(request.schema.fields)
+        if limit is not None and needed > limit:
+            raise PermanentError(
+                f"stage {request.stage!r}: the prompt has {len(prompt_ids)} tokens and the reply may take "
+                f"{needed - len(prompt_ids)}, more than the local model's context of {limit} tokens; shorten the "
+                f"evidence (a lower max_obs_tokens or topk) or use a model with a longer context")
+        return self._complete(request, prompt_ids, start)
+
+    def _complete(self, request: ChatRequest, prompt_ids: list[int], start: float) -> ChatReply:
         import torch
 
         with self._lock, torch.inference_mode():
             generator = torch.Generator().manual_seed(self._seed(request))
-            state = _Continuation(self.model, self._prompt_ids(request))
+            state = _Continuation(self.model, prompt_ids)
             prompt_tokens = len(state.ids)
             values: dict[str, str] = {}
             budget = request.decoding.max_tokens

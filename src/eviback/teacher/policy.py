@@ -34,6 +34,9 @@ from typing import Any
 from eviback.types import Status, from_dict, to_dict
 
 ARTIFACT_FORMAT = "eviback-teacher-policy"
+CLASSIFIER_PREFIX = "evidence-judge:"  # a stage backend that is a trained classifier (evidence_judge.py)
+# The layout a classifier stage's request must have: the question, a blank line, the evidence as seen.
+CLASSIFIER_TEMPLATE = "$question\n\n$evidence"
 ARTIFACT_FORMAT_VERSION = 1
 MIN_VERSION_PREFIX = 8
 
@@ -46,7 +49,7 @@ class Input(enum.StrEnum):
     """What a stage may see. Templates refer to them as `$question`, `$evidence`, `$answer`, `$gold`."""
 
     QUESTION = "question"  # the question text (never its id or metadata)
-    EVIDENCE = "evidence"  # every passage the actor retrieved in this rollout, rendered as Search-R1 does
+    EVIDENCE = "evidence"  # the rollout's search results as the actor saw them (after its observation cut)
     ANSWER = "answer"  # the actor's final answer, or a placeholder when it never answered
     GOLD = "gold"  # the gold answers: crossing this into the status decision is reference leakage
 
@@ -93,6 +96,10 @@ class StageSpec:
     statuses: tuple[Status, ...] = (Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS)
     run_on: tuple[Status, ...] = ()  # gate: () for the first stage (always runs); else statuses it runs on
     decoding: Decoding = field(default_factory=Decoding)
+    # "" = the teacher's LLM backend. Else a classifier artifact that answers this stage in its place,
+    # identified by content hash, e.g. "evidence-judge:<sha256>" (eviback.teacher.evidence_judge): it is part
+    # of the policy's version, so a policy names exactly which trained judge decides its status.
+    backend: str = ""
 
     @property
     def sees_gold(self) -> bool:
@@ -144,6 +151,10 @@ class TeacherPolicy:
     stages: tuple[StageSpec, ...]
     weights: RewardWeights = field(default_factory=RewardWeights)
     description: str = ""
+    # The evidence boundary in code for the answer: a refined answer (one a stage wrote) whose normalised
+    # form is not found in the normalised evidence as the actor saw it lowers the verdict to I (reward 0),
+    # so an answer known only from the gold can never earn credit. Turning it off is explicit: False.
+    grounded_answer: bool = True
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -175,6 +186,16 @@ class TeacherPolicy:
         if unseen:
             raise PolicyError(f"{where}: its template uses {sorted(unseen)} but the stage does not see them; "
                               f"add them to 'sees' or remove them from the template")
+        if stage.backend:
+            if not stage.backend.startswith(CLASSIFIER_PREFIX) or len(stage.backend) <= len(CLASSIFIER_PREFIX):
+                raise PolicyError(f"{where}: backend {stage.backend!r} is not a classifier reference; use "
+                                  f"'{CLASSIFIER_PREFIX}<sha256>' (or '' for the teacher's LLM backend)")
+            if stage.outputs != (OutputField.STATUS,) or stage.sees_gold or Input.ANSWER in stage.sees:
+                raise PolicyError(f"{where}: a classifier stage outputs only 'status' and sees only the question "
+                                  f"and the evidence")
+            if stage.user_template != CLASSIFIER_TEMPLATE or stage.system_prompt:
+                raise PolicyError(f"{where}: a classifier stage's user_template must be {CLASSIFIER_TEMPLATE!r} "
+                                  f"and its system_prompt empty (the classifier reads that layout)")
         if not is_first:
             if not stage.run_on:
                 raise PolicyError(f"{where}: a later stage needs a gate; set run_on, e.g. ['S', 'A']")
@@ -185,8 +206,11 @@ class TeacherPolicy:
     # ----------------------------------------------------------------------------------------------
 
     def canonical_json(self) -> str:
-        """The bytes the version is computed from: sorted keys, no white space, UTF-8."""
-        return json.dumps(to_dict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        """The bytes the version is computed from: sorted keys, no white space, UTF-8.
+
+        `grounded_answer=False` is left out, so a policy frozen before the field existed (which never
+        grounded its answers) keeps its version and loads with exactly the behaviour it was frozen with."""
+        return json.dumps(policy_dict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     @property
     def version(self) -> str:
@@ -210,6 +234,27 @@ class TeacherPolicy:
         if self.status_stage.sees_gold:
             reasons.append(f"stage {self.status_stage.name!r} decides the status and sees the gold answers")
         return tuple(reasons)
+
+
+def policy_dict(policy: TeacherPolicy) -> dict[str, Any]:
+    """The policy as plain JSON values (what an artifact stores and the version hashes). Fields added after
+    policies were first frozen are left out at their old behaviour (`grounded_answer` false, a stage's
+    `backend` ""), so older artifacts keep their versions."""
+    doc = to_dict(policy)
+    if not policy.grounded_answer:
+        del doc["grounded_answer"]
+    for stage in doc["stages"]:
+        if not stage["backend"]:
+            del stage["backend"]
+    return doc
+
+
+def policy_from_dict(doc: Any) -> TeacherPolicy:
+    """A policy from a frozen artifact's JSON values. A document without `grounded_answer` predates the field: its answers
+    were never grounded, so it loads with `grounded_answer=False` (and its recorded version still holds)."""
+    if isinstance(doc, dict) and "grounded_answer" not in doc:
+        doc = {**doc, "grounded_answer": False}
+    return from_dict(TeacherPolicy, doc)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +286,7 @@ def artifact_json(policy: TeacherPolicy, provenance: Mapping[str, Any] | None = 
         "name": policy.name,
         "version": policy.version,
         "provenance_sha256": _digest(provenance),
-        "policy": to_dict(policy),
+        "policy": policy_dict(policy),
         "provenance": provenance,
     }
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
@@ -281,7 +326,7 @@ def parse_artifact(text: str, where: str = "<memory>") -> PolicyArtifact:
         raise PolicyError(f"{where}: artifact format_version {doc.get('format_version')!r} is not supported "
                           f"(this eviback reads {ARTIFACT_FORMAT_VERSION})")
     try:
-        policy = from_dict(TeacherPolicy, doc["policy"])
+        policy = policy_from_dict(doc["policy"])
     except (KeyError, TypeError, ValueError) as e:
         raise PolicyError(f"{where}: malformed policy: {e}") from None
     recorded = str(doc.get("version", ""))
@@ -344,6 +389,6 @@ def policy_from_json(text: str, where: str = "<memory>") -> TeacherPolicy:
     if isinstance(doc, dict) and doc.get("format") == ARTIFACT_FORMAT:
         return parse_artifact(text, where).policy
     try:
-        return from_dict(TeacherPolicy, doc)
+        return policy_from_dict(doc)  # as in an artifact: an absent grounded_answer means False
     except (KeyError, TypeError, ValueError) as e:
         raise PolicyError(f"{where}: malformed policy: {e}") from None

@@ -3,7 +3,9 @@
 The evidence boundary is enforced here by construction, not by prompt wording:
 
 - :func:`blind_view` copies, from a trajectory, only what a gold-blind stage may see: the question text,
-  the passages the actor retrieved, and its answer. Never the question's gold answers, id or metadata.
+  the evidence *as the actor saw it* (its observations, after the rollout's `max_observation_tokens` cut:
+  a passage cut in the actor's context is cut the same way here), and its answer. Never the question's
+  gold answers, id or metadata.
 - :func:`build_blind_request` (every stage that does not list `gold` in `sees`, so Stage A of a compliant
   policy) receives only that view: it has no way to reach the gold answers. Only
   :func:`build_gold_aware_request` is given a :class:`GoldView`.
@@ -22,7 +24,7 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from eviback.metrics import f1_score
+from eviback.metrics import f1_score, normalize_answer
 from eviback.protocol import render_passages
 from eviback.teacher.chat import ChatMessage, ChatRequest, ReplySchema, SchemaViolation
 from eviback.teacher.policy import Input, OutputField, RewardWeights, StageSpec, TeacherPolicy
@@ -33,17 +35,89 @@ NO_ANSWER = "(the agent gave no answer)"
 
 
 @dataclass(frozen=True)
+class SeenEvidence:
+    """One search result as the actor saw it: the observation text without its `<information>` wrapper
+    (cut where the rollout cut it), and the ids of the retrieved passages whose `Doc i(Title: ...)` header
+    survived that cut (a passage cut away entirely was never seen)."""
+
+    text: str
+    passage_ids: tuple[str, ...] = ()
+
+
+_WRAPPER_OPEN = "<information>"
+_WRAPPER_CLOSE = "</information>"
+
+
+def _unwrap(observation: str) -> str:
+    text = observation.strip()
+    if text.startswith(_WRAPPER_OPEN):
+        text = text[len(_WRAPPER_OPEN):]
+    close = text.rfind(_WRAPPER_CLOSE)
+    if close != -1:
+        text = text[:close]
+    else:  # the cut may have left part of the closing tag
+        for k in range(len(_WRAPPER_CLOSE) - 1, 0, -1):
+            if text.endswith(_WRAPPER_CLOSE[:k]):
+                text = text[:-k]
+                break
+    return text.strip()
+
+
+def evidence_as_seen(trajectory: Trajectory) -> tuple[SeenEvidence, ...]:
+    """The observations of the rollout's executed searches, as they were rendered into the actor's
+    context (`Turn.observation` already holds the cut text), in order; an identical result seen twice
+    (a repeated search) is kept once: it adds no evidence, only tokens."""
+    out: list[SeenEvidence] = []
+    texts: set[str] = set()
+    for turn in trajectory.turns:
+        if not turn.executed or not turn.passages:
+            continue
+        text = _unwrap(turn.observation)
+        if not text or text in texts:
+            continue
+        texts.add(text)
+        ids = tuple(p.id for i, p in enumerate(turn.passages, start=1) if f"Doc {i}(Title: " in text)
+        out.append(SeenEvidence(text=text, passage_ids=ids))
+    return tuple(out)
+
+
+def render_seen(evidence: Sequence[SeenEvidence]) -> str:
+    """The evidence text a stage receives: each search result as the actor saw it, one per paragraph."""
+    return "\n\n".join(e.text for e in evidence)
+
+
+def answer_in_evidence(answer: str | None, evidence: Sequence[SeenEvidence] | str) -> bool:
+    """Whether the SQuAD-normalised `answer` occurs in the normalised evidence as whole words ("ten" is not
+    found in "often"; "10" is not found in "ten"). An empty answer is never found."""
+    wanted = normalize_answer(answer or "")
+    if not wanted:
+        return False
+    text = evidence if isinstance(evidence, str) else render_seen(evidence)
+    return f" {wanted} " in f" {normalize_answer(text)} "
+
+
+@dataclass(frozen=True)
 class BlindView:
-    """Everything a gold-blind stage may see of a rollout. It has no field that could hold gold answers."""
+    """Everything a gold-blind stage may see of a rollout. It has no field that could hold gold answers.
+
+    `seen` is what a stage is shown: the evidence as the actor saw it. `evidence` lists the passages
+    retrieved (each once), to identify them; it is not rendered (a view built by hand with `evidence`
+    only renders those passages whole)."""
 
     question: str
     evidence: tuple[Passage, ...]
     answer: str | None
+    seen: tuple[SeenEvidence, ...] = ()
+
+    def evidence_text(self) -> str:
+        if self.seen:
+            return render_seen(self.seen).strip()
+        return render_passages(self.evidence).strip()
 
     def values(self) -> dict[str, str]:
         return {
             Input.QUESTION.value: self.question.strip(),
-            Input.EVIDENCE.value: render_passages(self.evidence).strip() or NO_EVIDENCE,
+            Input.EVIDENCE.value: self.evidence_text() or NO_EVIDENCE,
             Input.ANSWER.value: self.answer.strip() if self.answer and self.answer.strip() else NO_ANSWER,
         }
 
@@ -59,8 +133,8 @@ class GoldView:
 
 
 def blind_view(trajectory: Trajectory) -> BlindView:
-    """The gold-free view of a rollout. The evidence is every passage it retrieved, in order, each passage
-    once (a passage retrieved twice adds no evidence, only tokens)."""
+    """The gold-free view of a rollout: what the actor saw of its evidence (:func:`evidence_as_seen`), and
+    every passage it retrieved, in order, each once (a passage retrieved twice adds no evidence)."""
     seen: set[str] = set()
     evidence = []
     for passage in trajectory.evidence:
@@ -68,7 +142,8 @@ def blind_view(trajectory: Trajectory) -> BlindView:
         if key not in seen:
             seen.add(key)
             evidence.append(passage)
-    return BlindView(question=trajectory.question.question, evidence=tuple(evidence), answer=trajectory.answer)
+    return BlindView(question=trajectory.question.question, evidence=tuple(evidence), answer=trajectory.answer,
+                     seen=evidence_as_seen(trajectory))
 
 
 def reply_schema(stage: StageSpec) -> ReplySchema:
@@ -240,13 +315,15 @@ StageCaller = Callable[[ChatRequest], StageOutcome]
 def run_workflow(
     policy: TeacherPolicy, trajectory: Trajectory, call: StageCaller, sample_index: int = 0
 ) -> Verdict:
-    """Judge one rollout: run the stages in order through the gate, then compute the hybrid reward.
+    """Judge one rollout: run the stages in order through the gate, ground the refined answer (when the
+    policy says so: an answer not found in the evidence as the actor saw it lowers the status to I), then
+    compute the hybrid reward.
 
     Never raises for a failed call: the verdict then has `error` set and no status or reward."""
     status: Status | None = None
     stage_a: Status | None = None
     answer = trajectory.answer
-    later_ran = False
+    later_ran = refined = False
     rationales: list[str] = []
     cost = dict(calls=0, prompt_tokens=0, completion_tokens=0, cache_hits=0, latency_s=0.0,
                 retries=0, schema_violations=0)
@@ -274,10 +351,15 @@ def run_workflow(
             assert status is not None  # the gate ran this stage, so a status exists
             status = lower_only(status, out.status)
         if out.answer is not None:
-            answer = out.answer
+            answer, refined = out.answer, True
         if out.rationale:
             rationales.append(f"{stage.name}: {out.rationale}")
     assert status is not None  # the first stage always outputs a status (checked when the policy was built)
+    ungrounded = False
+    # the evidence boundary for the answer: what the evidence the actor saw does not hold earns nothing
+    if (policy.grounded_answer and refined and status is not Status.INSUFFICIENT
+            and not answer_in_evidence(answer, blind_view(trajectory).evidence_text())):
+        status, ungrounded = Status.INSUFFICIENT, True
     reward = hybrid_reward(status, answer, trajectory.question.golden_answers, policy.weights)
     return Verdict(status=status, stage_a_status=stage_a, answer=answer, stage_b_ran=later_ran, reward=reward,
-                   policy_version=policy.version, rationale="\n".join(rationales), **cost)
+                   policy_version=policy.version, rationale="\n".join(rationales), ungrounded=ungrounded, **cost)

@@ -90,6 +90,14 @@ class TrainConfig:
     # ---- what the run directory keeps
     keep_rollout_steps: int = field(default=10, metadata={"help": "full rollouts (texts, passages) are kept for "
                                     "the last N steps in rollouts/; groups.jsonl keeps a compact line per group"})
+    # ---- the trained evidence judge (Stage A of a local teacher)
+    teacher_stage_a: str = field(default="judge", metadata={"help": "with a local teacher and the two-stage "
+                                 "policy: 'judge' decides Stage A with the trained evidence judge (`eviback "
+                                 "build-judge`, built from the training questions on first use, then cached); "
+                                 "'prompted' keeps the policy's prompted Stage A on the local model"})
+    judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is "
+                                     "built from (0: all)"})
+    judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
 
     def __post_init__(self) -> None:
         Mode(self.mode)  # raises with the valid names

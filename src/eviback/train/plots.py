@@ -22,7 +22,9 @@ from eviback.train.run import read_records
 # (panel title, [(metric key, label)])
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Answer quality (training rollouts)", [("rollout/em", "EM"), ("rollout/f1", "F1")]),
-    ("Groups", [("backoff/all_zero_share", "all-zero share"), ("backoff/fallback_share", "teacher-reward share"),
+    ("Groups", [("backoff/all_zero_share", "all-zero share"),
+                ("backoff/fallback_share", "fallback share (teacher asked)"),
+                ("backoff/informative_fallback_share", "informative fallback share (of fallback groups)"),
                 ("backoff/teacher_error_share", "teacher-error share")]),
     ("Answering", [("rollout/valid_answer_rate", "valid answer"),
                    ("rollout/forced_termination_rate", "forced termination")]),

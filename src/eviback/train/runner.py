@@ -167,6 +167,24 @@ def load_policy_for_training(path: str, precision: Precision, resume_from: Path 
     return model, master
 
 
+def teacher_policy_ref(config: TrainConfig) -> str:
+    """The teacher policy a run uses: `config.teacher`, or, for a local teacher on the two-stage policy with
+    `teacher_stage_a=judge`, the two-stage policy whose Stage A is the trained evidence judge (built from
+    the run's training questions on first use, then cached)."""
+    if config.teacher_stage_a not in ("judge", "prompted"):
+        raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {config.teacher_stage_a!r}")
+    if config.teacher_backend != "local" or config.teacher_stage_a != "judge" or config.teacher != "two-stage":
+        return config.teacher
+    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_judge
+
+    judge = build_judge(EvidenceJudgeConfig(
+        data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
+        epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens, seed=config.seed))
+    log.info("teacher: two-stage with the trained evidence judge %s as Stage A (teacher_stage_a=prompted "
+             "keeps the prompted Stage A)", judge.sha256[:12])
+    return str(judge.policy_path)
+
+
 def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
     if config.backoff.mode.value != "eviback":
         return None
@@ -174,7 +192,7 @@ def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teac
     from eviback.teacher.local import LocalBackendConfig
 
     return build_teacher(TeacherConfig(
-        policy=config.teacher,
+        policy=teacher_policy_ref(config),
         backend=config.teacher_backend,
         local=LocalBackendConfig(model=config.teacher_model),
         http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
@@ -264,7 +282,13 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         start_summary = run_eval(held_out_eval_config(config, run.eval_start_dir, policy_path,
                                                       max_context_tokens=engine.config.max_context_tokens),
                                  backend=backend, retriever=retriever)
-    teacher = open_teacher(config)
+    with state.main_process_first():  # one process builds the cached evidence judge, the others reuse it
+        teacher = open_teacher(config)
+    if main and teacher is not None:
+        # what judged this run: the policy actually loaded (e.g. the two-stage policy with the trained judge)
+        run.write_teacher({**(teacher_record or {}), "policy_used": teacher.policy.name,
+                           "version_used": teacher.policy.version,
+                           "boundary_violations_used": list(teacher.policy.boundary_violations())})
 
     pending: dict[int, dict[str, Any]] = {}
     backoff = config.backoff
@@ -305,9 +329,10 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             record["run/dir_mb"] = run.size_mb()
             record["processes"] = state_processes
             run.log_metrics(record)
-            log.info("step %d/%d  em %.3f  all-zero %.2f  teacher-reward %.2f  loss %.4f  %.0fs",
+            log.info("step %d/%d  em %.3f  all-zero %.2f  fallback %d (informative %d)  loss %.4f  %.0fs",
                      state.global_step, config.max_steps, record.get("rollout/em", 0),
-                     record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_share", 0),
+                     record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_groups", 0),
+                     record.get("backoff/informative_fallback_groups", 0),
                      record.get("train/loss", 0), record["time/step"])
 
     state_processes = state.num_processes

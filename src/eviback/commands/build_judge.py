@@ -1,0 +1,66 @@
+"""Build the trained evidence judge: a small cross-encoder that decides Stage A's status (S/A/I).
+
+  eviback build-judge                                   # from the embedded suite's training questions
+  eviback build-judge --rollouts rollouts.jsonl         # plus real rollouts on training questions
+  eviback build-judge --max-questions 120 --epochs 1    # a smaller, quicker judge
+
+Examples come from training questions only (a question of an evaluation file is an error): real BM25
+searches and same-topic negatives, plus the given rollouts, each labelled S/A/I by the evidence-label rule
+and balanced. The judge is saved under the cache (`$EVIBACK_CACHE/judges/evidence-judge-<key>`) and reused
+by a later build with the same inputs. Its directory holds `policy.json`: the two-stage policy whose Stage A
+is this judge (identified by the content hash of its files), ready for
+`eviback judge DUMP --policy DIR/policy.json`, `eviback train --set teacher=DIR/policy.json` and E2E-APE.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "build the trained evidence judge for Stage A from training questions (cached)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback.teacher.evidence_judge import EvidenceJudgeConfig
+
+    d = EvidenceJudgeConfig()
+    fields = EvidenceJudgeConfig.__dataclass_fields__
+    parser.add_argument("--data", default=None, metavar="DIR", help=fields["data"].metadata["help"])
+    parser.add_argument("--train-files", nargs="+", default=[], metavar="NAME",
+                        help=fields["train_files"].metadata["help"])
+    parser.add_argument("--rollouts", nargs="+", default=[], metavar="DUMP", help=fields["rollouts"].metadata["help"])
+    for name in ("max_questions", "topk", "max_obs_tokens", "max_length", "batch_size", "seed"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
+                            help=f"{fields[name].metadata['help']} (default: %(default)s)")
+    for name in ("balance_ratio", "heldout_share", "epochs", "learning_rate"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
+                            help=f"{fields[name].metadata['help']} (default: %(default)s)")
+    parser.add_argument("--base-model", default="", help=fields["base_model"].metadata["help"])
+    parser.add_argument("--threads", type=int, default=None, help=fields["threads"].metadata["help"])
+    parser.add_argument("--output", default="", metavar="DIR", help=fields["output"].metadata["help"])
+    parser.add_argument("--force", action="store_true", help=fields["force"].metadata["help"])
+
+
+def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJudgeConfig
+    from eviback.teacher.evidence_judge import EvidenceJudgeConfig
+
+    return EvidenceJudgeConfig(
+        data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts),
+        max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
+        balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
+        max_length=args.max_length, epochs=args.epochs, batch_size=args.batch_size,
+        learning_rate=args.learning_rate, seed=args.seed, threads=args.threads, output=args.output,
+        force=args.force)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see `eviback sft`: spinning threads on busy cores
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from eviback.teacher.evidence_judge import build_judge
+
+    judge = build_judge(config_from_args(args), progress=lambda message: print(message, file=sys.stderr))
+    print(f"evidence judge: {judge.path}")
+    print(f"policy with the judge as Stage A: {judge.policy_path}")
+    return 0

@@ -1,0 +1,117 @@
+"""Evidence labels: what the evidence the actor saw supports, computed from the data (the yardstick).
+
+A label is a function of the question's gold answers, its gold supporting passage ids (multi-hop sets) and
+the evidence *as the actor saw it* (:func:`~eviback.teacher.workflow.evidence_as_seen`). It is never an input
+of a gold-blind stage: it sees the gold. It serves to train an evidence judge, to measure any teacher's
+status decision against, and as E2E-APE's objective. The rule (docs/teacher.md has worked examples):
+
+- **contains the answer**: a gold answer's SQuAD-normalised form occurs, as whole words, in the normalised
+  evidence. A yes/no gold answer is not a span of any text: for it, "contains the answer" means the full
+  support was seen (multi-hop comparison questions), and for a question without support ids it is never met;
+- **single-hop questions** (every question without gold supporting passages, and PopQA/NQ, whose second
+  gold passage is the answer's own article, which the question does not name): S when the evidence contains
+  the answer, else I;
+- **multi-hop questions** (HotpotQA, 2WikiMultiHopQA, MuSiQue with `gold_passage_ids`): S when the evidence
+  contains the answer *and* every supporting passage was seen; A when it contains the answer without the
+  full support, or some supporting passages without the answer; I otherwise.
+
+A supporting passage counts as seen when its `Doc i(Title: ...)` header survived the observation cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from eviback.metrics import normalize_answer
+from eviback.teacher.workflow import SeenEvidence, answer_in_evidence, evidence_as_seen, render_seen
+from eviback.types import Question, Status, Trajectory
+
+MULTI_HOP_DATASETS = frozenset({"hotpotqa", "2wikimultihopqa", "musique"})
+_YES_NO = frozenset({"yes", "no"})
+
+# The value of a label, for correlations with a teacher's reward (S 1, A 0.5, I 0).
+LABEL_VALUE = {Status.SUFFICIENT: 1.0, Status.AMBIGUOUS: 0.5, Status.INSUFFICIENT: 0.0}
+
+
+def is_multi_hop(question: Question) -> bool:
+    """Whether the label asks for the support: a multi-hop data set, with gold supporting passage ids."""
+    return question.dataset.lower() in MULTI_HOP_DATASETS and bool(question.gold_passage_ids)
+
+
+def is_yes_no(question: Question) -> bool:
+    golds = [normalize_answer(g) for g in question.golden_answers]
+    return bool(golds) and all(g in _YES_NO for g in golds)
+
+
+def evidence_label(question: Question, evidence: Sequence[SeenEvidence]) -> Status:
+    """The S/A/I label of `evidence` (as the actor saw it) for `question`; the rule is in the module doc."""
+    text = render_seen(evidence)
+    seen_ids = {pid for e in evidence for pid in e.passage_ids}
+    support = set(question.gold_passage_ids) if is_multi_hop(question) else set()
+    full_support = bool(support) and support <= seen_ids
+    some_support = bool(support & seen_ids)
+    if is_yes_no(question):
+        has_answer = full_support
+    else:
+        has_answer = any(answer_in_evidence(g, text) for g in question.golden_answers)
+    if not support:
+        return Status.SUFFICIENT if has_answer else Status.INSUFFICIENT
+    if has_answer and full_support:
+        return Status.SUFFICIENT
+    if has_answer or some_support:
+        return Status.AMBIGUOUS
+    return Status.INSUFFICIENT
+
+
+def trajectory_label(trajectory: Trajectory) -> Status:
+    """The label of a rollout's evidence as its actor saw it."""
+    return evidence_label(trajectory.question, evidence_as_seen(trajectory))
+
+
+# --------------------------------------------------------------------------------------------------
+# Agreement of a teacher's status decision with the labels
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How well predicted statuses agree with evidence labels.
+
+    `confusion[label][predicted]` counts pairs; `balanced_accuracy` is the mean per-label recall over the
+    labels present; `s_vs_i_balanced_accuracy` the same on the pairs labelled S or I, predicting S
+    (A and I predictions count as not S); `kappa` is Cohen's kappa over the three labels."""
+
+    n: int
+    confusion: Mapping[str, Mapping[str, int]]
+    accuracy: float | None
+    balanced_accuracy: float | None
+    s_vs_i_balanced_accuracy: float | None
+    kappa: float | None
+
+
+def agreement(labels: Sequence[Status], predicted: Sequence[Status]) -> Agreement:
+    """Agreement of `predicted` with `labels` (pairs in order; equal lengths)."""
+    if len(labels) != len(predicted):
+        raise ValueError(f"{len(labels)} labels but {len(predicted)} predictions")
+    order = (Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT)
+    pairs = list(zip(labels, predicted, strict=True))
+    n = len(pairs)
+    confusion = {a.value: {b.value: sum(1 for x, y in pairs if x is a and y is b) for b in order} for a in order}
+    if n == 0:
+        return Agreement(0, confusion, None, None, None, None)
+    correct = sum(x is y for x, y in pairs)
+    recalls = [confusion[a.value][a.value] / total for a in order
+               if (total := sum(confusion[a.value].values()))]
+    binary = [(x, y) for x, y in pairs if x is not Status.AMBIGUOUS]
+    s_pairs = [y for x, y in binary if x is Status.SUFFICIENT]
+    i_pairs = [y for x, y in binary if x is Status.INSUFFICIENT]
+    s_vs_i = None
+    if s_pairs and i_pairs:
+        s_vs_i = (sum(y is Status.SUFFICIENT for y in s_pairs) / len(s_pairs)
+                  + sum(y is not Status.SUFFICIENT for y in i_pairs) / len(i_pairs)) / 2
+    observed = correct / n
+    expected = sum(sum(confusion[a.value].values()) * sum(confusion[b.value][a.value] for b in order)
+                   for a in order) / (n * n)
+    kappa = None if expected == 1 else (observed - expected) / (1 - expected)
+    return Agreement(n=n, confusion=confusion, accuracy=observed, balanced_accuracy=sum(recalls) / len(recalls),
+                     s_vs_i_balanced_accuracy=s_vs_i, kappa=kappa)

@@ -1,0 +1,92 @@
+"""The trained evidence judge end to end on a handful of training questions: built, cached, frozen into a
+policy whose Stage A it decides, used by `eviback judge`; eval questions refused; a tampered judge refused."""
+
+import dataclasses
+import json
+
+import pytest
+
+from eviback.cli import main
+from eviback.data import write_jsonl
+from eviback.teacher.evidence_judge import (
+    EvidenceJudgeConfig,
+    build_examples,
+    build_judge,
+    judge_policy,
+    load_judge,
+    open_classifier,
+)
+from eviback.teacher.fakes import Fault, FaultyChatServer
+from eviback.teacher.policy import CLASSIFIER_PREFIX, PolicyError, load_policy
+from eviback.teacher.probes import build_probes
+from eviback.types import Status, to_dict
+
+pytestmark = pytest.mark.slow
+
+TINY = EvidenceJudgeConfig(max_questions=16, epochs=1, batch_size=8, max_length=96, heldout_share=0.25, threads=1)
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    out = tmp_path_factory.mktemp("judge") / "evidence-judge"
+    return build_judge(dataclasses.replace(TINY, output=str(out)), progress=lambda message: None)
+
+
+def test_the_build_writes_a_judge_and_a_frozen_policy_that_names_it(judge):
+    doc = json.loads((judge.path / "judge.json").read_text())
+    assert doc["sha256"] == judge.sha256 and doc["counts"]["questions"] == 16
+    assert set(doc["counts"]["train_balanced"]) >= {"S", "I"}
+    policy = load_policy(str(judge.policy_path))
+    assert policy.status_stage.backend == CLASSIFIER_PREFIX + judge.sha256 and not policy.boundary_violations()
+    assert policy.stages[1] == load_policy("two-stage").stages[1] and policy.grounded_answer
+    assert judge_policy("0" * 64).version != policy.version  # the judge's hash is part of the version
+    # the same inputs reuse the built judge
+    again = build_judge(dataclasses.replace(TINY, output=str(judge.path)), progress=lambda message: None)
+    assert again.sha256 == judge.sha256
+
+
+def test_eviback_judge_uses_the_trained_judge_as_stage_a(judge, tmp_path, capsys):
+    dump, out, summary = tmp_path / "dump.jsonl", tmp_path / "v.jsonl", tmp_path / "s.json"
+    write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(6, seed=2)))
+    with FaultyChatServer(Fault.OK) as server:
+        assert main(["judge", str(dump), "--policy", str(judge.policy_path), "--base-url", server.base_url,
+                     "--out", str(out), "--summary", str(summary), "--no-cache", "--labels"]) == 0
+        llm_calls = server.calls
+    report = json.loads(summary.read_text())
+    assert report["errors"] == 0 and report["stages"]["A"]["requests"] == 6
+    assert llm_calls == report["stage_b_runs"]  # Stage A never reached the LLM server
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["verdict"]["stage_a_status"] in ("S", "A", "I") and r["label"] in ("S", "A", "I") for r in rows)
+
+
+def test_a_classifier_stage_is_validated():
+    stage = judge_policy("1" * 64).status_stage
+    with pytest.raises(PolicyError, match="classifier"):
+        dataclasses.replace(load_policy("two-stage"), stages=(dataclasses.replace(stage, backend="other:1"),)
+                            + load_policy("two-stage").stages[1:])
+    with pytest.raises(PolicyError, match="user_template"):
+        dataclasses.replace(load_policy("two-stage"), stages=(dataclasses.replace(stage, user_template="$question"),)
+                            + load_policy("two-stage").stages[1:])
+
+
+def test_evaluation_questions_are_refused(tmp_path):
+    dump = tmp_path / "eval-rollouts.jsonl"
+    write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(2, seed=1)))  # probes use eval questions
+    with pytest.raises(ValueError, match="evaluation files"):
+        build_examples(dataclasses.replace(TINY, max_questions=1, rollouts=(str(dump),)), progress=lambda m: None)
+
+
+def test_a_judge_changed_after_its_build_is_refused(judge, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(judge.path, copy)
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    from eviback.teacher.evidence_judge import EvidenceJudgeClient
+
+    with pytest.raises(ValueError, match="changed after it was built"):
+        EvidenceJudgeClient(copy, judge.sha256)
+    load_judge(judge.path)
+    assert open_classifier(CLASSIFIER_PREFIX + judge.sha256).classify([("q", "e")])[0] in Status

@@ -1,0 +1,69 @@
+"""Evidence labels (the yardstick) on hand-made single-hop and multi-hop cases, and agreement figures."""
+
+import pytest
+
+from eviback.protocol import render_observation
+from eviback.teacher.labels import agreement, evidence_label, trajectory_label
+from eviback.teacher.workflow import SeenEvidence
+from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
+
+S, A, I = Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT  # noqa: E741 - the method's labels
+
+
+def seen(text, *ids):
+    return SeenEvidence(text=text, passage_ids=tuple(ids))
+
+
+POPQA = Question("p", "What is Marie Curie's occupation?", ("physicist", "chemist"), dataset="popqa",
+                 metadata={"gold_passage_ids": ["curie", "physicist-article"]})
+NQ = Question("n", "Who discovered X-rays?", ("Wilhelm Conrad Röntgen",), dataset="nq")
+HOTPOT = Question("h", "Which band did the singer of Hash Pipe's band later form?", ("The Exies",),
+                  dataset="hotpotqa", metadata={"gold_passage_ids": ["10", "11"]})
+YES_NO = Question("y", "Are Sutera and Rhodotypos both types of shrub?", ("no",), dataset="hotpotqa",
+                  metadata={"gold_passage_ids": ["4147", "4142"]})
+
+
+@pytest.mark.parametrize("question, evidence, label", [
+    # single-hop: the answer alone decides; PopQA's second gold passage (the answer's article) is not needed
+    (POPQA, [seen("Doc 1(Title: \"Marie Curie\") Marie Curie was a Polish physicist and chemist.", "curie")], S),
+    (POPQA, [seen("Doc 1(Title: \"Marie Curie\") Marie Curie was born in Warsaw.", "curie")], I),
+    (NQ, [seen("Doc 1(Title: \"X-ray\") X-rays were discovered by Wilhelm Conrad Röntgen in 1895.")], S),
+    (NQ, [seen("Doc 1(Title: \"X-ray\") X-rays were discovered by Wilhelm Conrad")], I),  # cut before the end
+    (NQ, [], I),
+    # multi-hop: the answer and every supporting passage for S
+    (HOTPOT, [seen("Doc 1(Title: \"A\") ... Doc 2(Title: \"B\") he later formed The Exies.", "10", "11")], S),
+    (HOTPOT, [seen("Doc 1(Title: \"B\") he later formed The Exies.", "11")], A),  # answer, partial support
+    (HOTPOT, [seen("Doc 1(Title: \"A\") Hash Pipe is a song by Weezer.", "10")], A),  # support, no answer
+    (HOTPOT, [seen("Doc 1(Title: \"A\") The Exies formed later.", "99")], A),  # the answer, no support
+    (HOTPOT, [seen("Doc 1(Title: \"Z\") nothing relevant", "99")], I),
+    # yes/no: never a span of the text, so the support stands in for the answer
+    (YES_NO, [seen("Doc 1(Title: \"Sutera\") ... Doc 2(Title: \"Rhodotypos\") ...", "4147", "4142")], S),
+    (YES_NO, [seen("Doc 1(Title: \"Sutera\") no, not a shrub", "4147")], A),
+    (YES_NO, [seen("Doc 1(Title: \"Oak\") no", "1")], I),
+])
+def test_label_rule(question, evidence, label):
+    assert evidence_label(question, evidence) is label
+
+
+def test_the_label_of_a_rollout_uses_the_evidence_as_the_actor_saw_it():
+    passage = Passage("x", '"X-ray"\nX-rays were discovered by Wilhelm Conrad Röntgen in 1895.')
+    full = render_observation((passage,))
+
+    def rollout(observation):
+        turn = Turn("<search> x-rays </search>", Action(ActionKind.SEARCH, "x-rays"), (passage,), observation, True)
+        return Trajectory(NQ, (turn,), None, StopReason.FORCED)
+    assert trajectory_label(rollout(full)) is S
+    assert trajectory_label(rollout(full[: full.index("Röntgen")])) is I
+
+
+def test_agreement_figures():
+    labels = [S, S, I, I, A, A]
+    perfect = agreement(labels, labels)
+    assert perfect.accuracy == perfect.balanced_accuracy == perfect.kappa == perfect.s_vs_i_balanced_accuracy == 1
+    always_s = agreement(labels, [S] * 6)
+    assert always_s.balanced_accuracy == pytest.approx(1 / 3) and always_s.kappa == 0
+    assert always_s.s_vs_i_balanced_accuracy == 0.5 and always_s.confusion["I"]["S"] == 2
+    mixed = agreement([S, S, I, I], [S, I, I, I])
+    assert mixed.s_vs_i_balanced_accuracy == pytest.approx(0.75) and mixed.kappa == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        agreement([S], [])
