@@ -9,11 +9,12 @@ micro-batch per question (per_device_train_batch_size = G, gradient_accumulation
 step), KL beta, DAPO token-mean loss. Weights: the base SmolLM2 (`--model`); the update's cost depends on
 the shapes, not on the weights.
 
-One update = what TRL does after the rollouts: the reference model's log-probabilities of the whole batch
+Variants: `plain` (TRL's own path), `fast` (eviback's, rows of similar length batched with at most 20%
+padding), `fast_per_row` (every row alone). One update = what TRL does after the rollouts: the reference model's log-probabilities of the whole batch
 (no grad), then per micro-batch the policy's forward (log-probs, loss) and backward, then gradient clipping
 and the optimiser step. Plain and fast repetitions alternate; the bf16 matmul peak (2048 x 2048) is measured
 before each pair. FLOPs = 6 x parameters x trained tokens + 2 x parameters x reference tokens, counting real
-(non-padding) tokens only, the same for both paths; roofline share = FLOPs / (seconds x peak).
+(non-padding) tokens only, the same for every variant; roofline share = FLOPs / (seconds x peak).
 
 It also checks, before timing, that the fast path gives the plain path's loss and gradients on this batch.
 
@@ -218,9 +219,16 @@ def reference_logps(trainer, batch: dict[str, torch.Tensor], rollout_masks: list
     return ref
 
 
-def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, fast: bool, seed: int) -> dict:  # noqa: ANN001
+VARIANTS = {  # name: (fast path, its max padding share per decoder batch)
+    "plain": (False, 0.0),
+    "fast": (True, 0.2),
+    "fast_per_row": (True, 0.0),
+}
+
+
+def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, variant: str, seed: int) -> dict:  # noqa: ANN001
     """One update; returns its phases' seconds and the sampled peak RSS (GB) above the start."""
-    trainer.fast_update = fast
+    trainer.fast_update, trainer.fast_max_padding = VARIANTS[variant]
     gc_before = rss_gb()
     times: dict[str, float] = {"reference_s": 0.0, "policy_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
     with PeakRss() as peak:
@@ -237,7 +245,7 @@ def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, fast
             t2 = time.perf_counter()
             times["policy_forward_s"] += t1 - t0
             times["backward_s"] += t2 - t1
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         t0 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
         optimizer.step()
@@ -249,20 +257,57 @@ def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, fast
     return times
 
 
-def loss_and_grads(trainer, model, batch, rollout_masks, parts: int, fast: bool, seed: int):  # noqa: ANN001, ANN201
+def loss_and_grads(trainer, model, ref_model, batch, rollout_masks, parts: int, fast: bool, seed: int):  # noqa: ANN001, ANN201
+    """(loss, flat fp64 gradient, reference log-probs at the loss mask) of one update's passes, no step."""
     trainer.fast_update = fast
-    ref = reference_logps(trainer, batch, rollout_masks)
-    full = dict(batch, ref_per_token_logps=ref)
-    model.zero_grad(set_to_none=True)
-    loss = 0.0
-    for mb in micro_batches(full, parts, seed):
-        step_loss = trainer._compute_loss(model, mb)
-        step_loss.backward()
-        loss += float(step_loss)
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    saved, trainer.ref_model = trainer.ref_model, ref_model
+    try:
+        ref = reference_logps(trainer, batch, rollout_masks)
+        full = dict(batch, ref_per_token_logps=ref)
+        model.zero_grad(set_to_none=True)
+        loss = 0.0
+        for mb in micro_batches(full, parts, seed):
+            step_loss = trainer._compute_loss(model, mb)
+            step_loss.backward()
+            loss += float(step_loss.detach())
+    finally:
+        trainer.ref_model = saved
+    grads = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
     model.zero_grad(set_to_none=True)
     mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
-    return loss, grads, ref[mask]
+    return loss, grads, ref[mask].double()
+
+
+def accuracy_check(trainer, model, batch, rollout_masks, parts: int) -> dict:  # noqa: ANN001
+    """Plain and fast (both bf16) against an fp32 reference: the fast path on fp32 copies of the policy and
+    the reference model (its math is exact in fp32, tests/test_train_update.py). The policy is first moved
+    off the reference (as after a few updates) so that the KL term is not zero."""
+    import copy
+
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(1e-2 * p.abs().mean() * torch.randn(p.shape, generator=generator).to(p.dtype))
+    runs = {"plain": loss_and_grads(trainer, model, trainer.ref_model, batch, rollout_masks, parts, False, 0),
+            "fast": loss_and_grads(trainer, model, trainer.ref_model, batch, rollout_masks, parts, True, 0)}
+    model32, ref32 = copy.deepcopy(model).float(), copy.deepcopy(trainer.ref_model).float()
+    runs["fp32"] = loss_and_grads(trainer, model32, ref32, batch, rollout_masks, parts, True, 0)
+    del model32, ref32
+    out: dict = {"loss": {k: v[0] for k, v in runs.items()}}
+    truth = runs["fp32"]
+    for name in ("plain", "fast"):
+        loss, grads, ref = runs[name]
+        out[f"{name}_vs_fp32"] = {
+            "loss_abs_diff": abs(loss - truth[0]),
+            "grad_rel_diff": float((grads - truth[1]).norm() / truth[1].norm()),
+            "grad_cosine": float(torch.nn.functional.cosine_similarity(grads, truth[1], dim=0)),
+            "ref_logp_mean_abs_diff": float((ref - truth[2]).abs().mean()),
+            "ref_logp_max_abs_diff": float((ref - truth[2]).abs().max()),
+        }
+    plain, fast = runs["plain"], runs["fast"]
+    out["fast_vs_plain"] = {"grad_rel_diff": float((fast[1] - plain[1]).norm() / plain[1].norm()),
+                            "ref_logp_mean_abs_diff": float((fast[2] - plain[2]).abs().mean())}
+    return out
 
 
 def head_microbench(trainer, model, batch, reps: int) -> dict:  # noqa: ANN001
@@ -316,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-6)
     parser.add_argument("--max-obs-tokens", type=int, default=300)
     parser.add_argument("--max-completion-length", type=int, default=1592)
-    parser.add_argument("--skip-check", action="store_true", help="skip the loss/gradient comparison")
+    parser.add_argument("--parts", default="check,head,timing",
+                        help="comma-separated: check (plain/fast/fp32 losses and gradients), head (LM head alone), "
+                             "timing (plain/fast update pairs)")
+    parser.add_argument("--variants", default="plain,fast,fast_per_row",
+                        help=f"update variants per repetition, plain first ({', '.join(VARIANTS)})")
     parser.add_argument("--out", type=Path, default=Path("results/update"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -352,36 +401,36 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
                     "batch": shape, "torch_threads": torch.get_num_threads()}
 
-    if not args.skip_check:
+    parts = set(args.parts.split(","))
+    if "check" in parts:
         trim()
-        plain = loss_and_grads(trainer, model, batch, rollout_masks, questions_per_step, False, 0)
-        fast = loss_and_grads(trainer, model, batch, rollout_masks, questions_per_step, True, 0)
-        result["check"] = {
-            "loss_plain": plain[0], "loss_fast": fast[0],
-            "grad_rel_diff": float((fast[1] - plain[1]).norm() / plain[1].norm()),
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(fast[1], plain[1], dim=0)),
-            "ref_logp_max_abs_diff": float((fast[2] - plain[2]).abs().max()),
-            "ref_logp_mean_abs_diff": float((fast[2] - plain[2]).abs().mean()),
-        }
+        result["check"] = accuracy_check(trainer, model, batch, rollout_masks, questions_per_step)
+        result["check"]["load"] = load_avg()
         log.info("check: %s", result["check"])
+        trim()
 
-    result["head"] = head_microbench(trainer, model, batch, reps=2)
-    result["head"]["load"] = load_avg()
-    log.info("head: %s", result["head"])
+    if "head" in parts:
+        result["head"] = head_microbench(trainer, model, batch, reps=2)
+        result["head"]["load"] = load_avg()
+        log.info("head: %s", result["head"])
+    if "timing" not in parts:
+        (args.out / "bench_update_check.json").write_text(json.dumps(result, indent=1))
+        return 0
 
     reps = []
     for i in range(args.reps):
         pair = {"bf16_peak_gflops": bf16_peak_gflops(), "load_before": load_avg()}
-        for fast in (False, True):
+        for variant in args.variants.split(","):
             trim()
-            times = one_update(trainer, model, optimizer, batch, rollout_masks, questions_per_step, fast, seed=i)
+            times = one_update(trainer, model, optimizer, batch, rollout_masks, questions_per_step, variant, seed=i)
             times["load"] = load_avg()
             times["gflops"] = flops / times["update_s"] / 1e9
             times["roofline_share"] = times["gflops"] / pair["bf16_peak_gflops"]
-            pair["fast" if fast else "plain"] = times
-            log.info("rep %d %s: %s", i, "fast" if fast else "plain", times)
+            pair[variant] = times
+            log.info("rep %d %s: %s", i, variant, times)
         pair["bf16_peak_gflops_after"] = bf16_peak_gflops()
-        pair["speedup"] = pair["plain"]["update_s"] / pair["fast"]["update_s"]
+        for variant in args.variants.split(",")[1:]:
+            pair[f"speedup_{variant}"] = pair["plain"]["update_s"] / pair[variant]["update_s"]
         reps.append(pair)
         (args.out / "bench_update.json").write_text(json.dumps(result | {"reps": reps}, indent=1))
     result["reps"] = reps
@@ -396,8 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(values)
 
     peak = statistics.median([(r["bf16_peak_gflops"] + r["bf16_peak_gflops_after"]) / 2 for r in reps])
-    summary = {"speedup_median": med(("speedup",)), "bf16_peak_gflops_median": peak}
-    for mode in ("plain", "fast"):
+    variants = args.variants.split(",")
+    summary = {f"speedup_{v}_median": med((f"speedup_{v}",)) for v in variants[1:]}
+    summary["bf16_peak_gflops_median"] = peak
+    for mode in variants:
         for key in ("update_s", "reference_s", "policy_forward_s", "backward_s", "optimizer_s", "roofline_share",
                     "peak_rss_above_start_gb"):
             summary[f"{mode}_{key}_median"] = med((mode, key))

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from eviback.train.update import padding_free_logprobs, score_plan, token_logprobs
+from eviback.train.update import length_buckets, padding_free_logprobs, score_plan, token_logprobs
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -36,6 +36,17 @@ def test_score_plan_skips_rows_without_scored_tokens_and_refuses_holes():
     plan = score_plan(attention, 2, torch.tensor([[0, 0], [0, 1]]))
     assert [r[0] for r in plan.rows] == [1] and plan.run_tokens == 4
     assert score_plan(torch.tensor([[1, 0, 1, 1]]), 2) is None
+
+
+def test_length_buckets_bound_the_padding_and_the_budget():
+    lengths = [100, 95, 50, 90, 48, 10]
+    assert length_buckets(lengths, token_budget=1000, max_padding=0.1) == [[0, 1, 3], [2, 4], [5]]
+    assert length_buckets(lengths, token_budget=200, max_padding=0.1) == [[0, 1], [3], [2, 4], [5]]
+    assert length_buckets(lengths, token_budget=10_000, max_padding=0.0) == [[0], [1], [3], [2], [4], [5]]
+    for bucket in length_buckets(lengths, token_budget=250, max_padding=0.3):
+        padded = lengths[bucket[0]] * len(bucket)
+        assert padded <= 250 or len(bucket) == 1
+        assert padded - sum(lengths[i] for i in bucket) <= 0.3 * padded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,9 +180,11 @@ def _loss_and_grads(trainer, model, batch, fast: bool):  # noqa: ANN001, ANN202
     return loss.detach().float(), ref * mask, trainer._metrics["train"]["entropy"][-1], grads, ref
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_fast_update_gives_trls_loss_and_gradients(tmp_path, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, max_padding", [(torch.float32, 1e-5, 0.2), (torch.float32, 1e-5, 0.0),
+                                                     (torch.bfloat16, 2e-2, 0.2)])
+def test_fast_update_gives_trls_loss_and_gradients(tmp_path, dtype, tol, max_padding):
     trainer, model = _trainer(tmp_path, dtype)
+    trainer.fast_max_padding = max_padding  # 0.2: rows of the batch share right-padded decoder batches
     with torch.no_grad():  # move the policy off the reference so that the KL term is not zero
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))

@@ -211,13 +211,15 @@ class EviBackTrainer(GRPOTrainer):
     # ---- fast update (eviback.train.update): TRL's log-probability passes without padding
     #
     # TRL scores each micro-batch padded to the generation batch's longest prompt and completion and, on CPU,
-    # projects every position (prompts and padding included) onto the vocabulary. These overrides run each
-    # row alone at its real length and send only the tokens whose log-probability is read (the model's own
-    # tokens: completion mask x tool mask) through a chunked LM head. The loss, the KL term and the
+    # projects every position (prompts and padding included) onto the vocabulary. These overrides run the
+    # rows at their real lengths (similar lengths batched, right-padded) and send only the tokens whose
+    # log-probability is read (the model's own tokens: completion mask x tool mask) through a chunked LM head. The loss, the KL term and the
     # importance-sampling ratio are TRL's own, on the same fp32 log-probabilities.
 
     fast_update: bool = True  # False: TRL's own path (bench_update.py compares the two on the same batch)
     fast_chunk_tokens: int = 512  # positions per LM-head tile: (512, vocab) fp32 is 100 MB for SmolLM2
+    fast_token_budget: int = 16384  # tokens per right-padded decoder batch (update.length_buckets)
+    fast_max_padding: float = 0.2  # padding share a batch may carry (0: every row alone)
     _fast_rollout_masks: list[list[int]] | None = None  # the rollout's tool masks, for the no-grad passes
     _fast_loss_mask: torch.Tensor | None = None  # (B, C) loss mask of the micro-batch being scored
 
@@ -252,7 +254,8 @@ class EviBackTrainer(GRPOTrainer):
         logits_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
         with self.accelerator.autocast():
             out = padding_free_logprobs(model, input_ids, plan, temperature=self.temperature,
-                                        chunk_tokens=self.fast_chunk_tokens, logits_dtype=logits_dtype)
+                                        chunk_tokens=self.fast_chunk_tokens, logits_dtype=logits_dtype,
+                                        token_budget=self.fast_token_budget, max_padding=self.fast_max_padding)
         return out.logps, (out.entropy if compute_entropy else None), None
 
     def _fast_path_applies(self, model: Any, compute_entropy: bool, compute_aux_loss: bool,

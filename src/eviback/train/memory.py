@@ -1,9 +1,8 @@
 """Memory planning for a training run: how large the generation engine's KV cache needs to be.
 
-vLLM's CPU engine allocates its KV cache up front (`VLLM_CPU_KVCACHE_SPACE`, 2 GiB unless told), and the
-pages it touches stay resident: with prefix caching, every step writes into blocks it has not used yet until
-the whole cache is resident. A rollout step needs far less than 2 GiB for a small model: each of its
-sequences holds at most `max_context` tokens of keys and values. The cache is sized to one step's sequences
+vLLM's CPU engine allocates its KV cache up front (`VLLM_CPU_KVCACHE_SPACE`, 2 GiB unless told). A rollout
+step needs far less than that for a small model: each of its sequences holds at most `max_context` tokens
+of keys and values. The cache is sized to one step's sequences
 at full length, with headroom, within a floor and a ceiling; more concurrent sequences (e.g. a held-out
 evaluation of many questions) are scheduled in waves by the engine instead of failing.
 """

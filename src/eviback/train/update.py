@@ -4,9 +4,10 @@ or observation positions in the LM head, and without full-vocabulary fp32 logits
 TRL's GRPOTrainer scores a micro-batch as one padded (B, P + C) tensor: every row is padded to the longest
 prompt and the longest completion of the whole generation batch, and (on devices without Triton) its fused
 LM head projects every position, prompt and padding included, onto the vocabulary, with fp32 matmuls in
-the backward pass. Here each row runs through the decoder alone at its own length (no padding, plain causal
-attention), and only the positions whose log-probability is read later (the model's own tokens) go through
-the LM head, in chunks of `chunk_tokens` positions, with bf16 matmuls and the softmax in fp32.
+the backward pass. Here the rows run through the decoder at their own lengths (plain causal attention; rows
+of similar length share a right-padded batch, `length_buckets`), and only the positions whose log-probability
+is read later (the model's own tokens) go through the LM head, in chunks of `chunk_tokens` positions, with
+bf16 matmuls and the softmax in fp32.
 
     plan = score_plan(attention_mask, logits_to_keep, score_mask)      # which tokens, where they go
     out = padding_free_logprobs(model, input_ids, plan, temperature)   # (B, C) fp32 log-probs, entropies
@@ -202,24 +203,56 @@ class PaddedLogprobs:
     run_tokens: int  # tokens through the decoder
 
 
+def length_buckets(lengths: list[int], *, token_budget: int = 16384, max_padding: float = 0.2) -> list[list[int]]:
+    """Group rows (indices into `lengths`) into buckets run as one right-padded batch each.
+
+    Rows are taken longest first; a row joins the current bucket while the bucket, padded to its longest
+    row, stays within `token_budget` tokens and its padding share within `max_padding`. Fewer, larger
+    batches mean fewer (small, thread-synchronised) kernel launches, which matters on a busy CPU; the bound
+    keeps the padding they cost small. `max_padding=0` runs every row alone (unless lengths are equal)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets:
+            bucket = buckets[-1]
+            longest = lengths[bucket[0]]
+            padded = longest * (len(bucket) + 1)
+            real = sum(lengths[j] for j in bucket) + lengths[i]
+            if padded <= token_budget and (padded - real) <= max_padding * padded:
+                bucket.append(i)
+                continue
+        buckets.append([i])
+    return buckets
+
+
 def padding_free_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, plan: ScorePlan, *,
                           temperature: float = 1.0, chunk_tokens: int = 512,
-                          logits_dtype: torch.dtype | None = None) -> PaddedLogprobs:
+                          logits_dtype: torch.dtype | None = None, token_budget: int = 16384,
+                          max_padding: float = 0.2) -> PaddedLogprobs:
     """Score `plan`'s tokens of the padded (B, L) `input_ids` with a causal LM.
 
-    Each run row goes through `model.base_model` (the decoder without its LM head) alone, at its real
-    length; the hidden states of the scored positions are gathered and sent through
-    :func:`token_logprobs` with `model.get_output_embeddings().weight`. With gradients enabled, every row's
-    graph is kept until the caller's backward pass (no recomputation)."""
+    The run rows go through `model.base_model` (the decoder without its LM head) in length buckets
+    (:func:`length_buckets`), each bucket right-padded to its longest row, without an attention mask: under
+    causal attention a row's real tokens never see the padding after them, so their hidden states are the
+    row's own (and the padding gets no gradient). The hidden states of the scored positions are gathered and
+    sent through :func:`token_logprobs` with `model.get_output_embeddings().weight`. With gradients enabled,
+    every bucket's graph is kept until the caller's backward pass (no recomputation)."""
     decoder = model.base_model
     head = model.get_output_embeddings()
-    states = []
-    for b, start, end in plan.rows:
-        out = decoder(input_ids=input_ids[b:b + 1, start:end], use_cache=False)
-        states.append(out.last_hidden_state[0])
+    lengths = [end - start for _, start, end in plan.rows]
+    states: list[torch.Tensor | None] = [None] * len(plan.rows)
+    for bucket in length_buckets(lengths, token_budget=token_budget, max_padding=max_padding):
+        longest = lengths[bucket[0]]
+        ids = input_ids.new_zeros(len(bucket), longest)
+        for k, i in enumerate(bucket):
+            b, start, end = plan.rows[i]
+            ids[k, :end - start] = input_ids[b, start:end]
+        out = decoder(input_ids=ids, use_cache=False).last_hidden_state  # (rows, longest, H)
+        for k, i in enumerate(bucket):
+            states[i] = out[k, :lengths[i]]
     batch, keep = plan.shape
     if states:
-        hidden = torch.cat(states).index_select(0, plan.hidden_index.to(states[0].device))
+        hidden = torch.cat(states).index_select(0, plan.hidden_index.to(head.weight.device))
     else:
         hidden = head.weight.new_zeros(0, head.weight.shape[1])
     target = input_ids.flatten().index_select(
