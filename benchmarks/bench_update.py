@@ -10,7 +10,9 @@ step), KL beta, DAPO token-mean loss. Weights: the base SmolLM2 (`--model`); the
 the shapes, not on the weights.
 
 Variants: `plain` (TRL's own path), `fast` (eviback's, rows of similar length batched with at most 20%
-padding), `fast_per_row` (every row alone). One update = what TRL does after the rollouts: the reference model's log-probabilities of the whole batch
+padding), `fast_per_row` (every row alone), and `plain_1thread` / `fast_1thread` with one torch thread: on
+a CPU shared with other busy processes, two OpenMP threads spend most of each small kernel waiting for each
+other, which penalises the path with more (smaller) kernels. One update = what TRL does after the rollouts: the reference model's log-probabilities of the whole batch
 (no grad), then per micro-batch the policy's forward (log-probs, loss) and backward, then gradient clipping
 and the optimiser step. Plain and fast repetitions alternate; the bf16 matmul peak (2048 x 2048) is measured
 before each pair. FLOPs = 6 x parameters x trained tokens + 2 x parameters x reference tokens, counting real
@@ -219,16 +221,27 @@ def reference_logps(trainer, batch: dict[str, torch.Tensor], rollout_masks: list
     return ref
 
 
-VARIANTS = {  # name: (fast path, its max padding share per decoder batch)
-    "plain": (False, 0.0),
-    "fast": (True, 0.2),
-    "fast_per_row": (True, 0.0),
+VARIANTS = {  # name: (fast path, its max padding share per decoder batch, torch threads or None: the default)
+    "plain": (False, 0.0, None),
+    "fast": (True, 0.2, None),
+    "fast_per_row": (True, 0.0, None),
+    "plain_1thread": (False, 0.0, 1),
+    "fast_1thread": (True, 0.2, 1),
 }
 
 
 def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, variant: str, seed: int) -> dict:  # noqa: ANN001
     """One update; returns its phases' seconds and the sampled peak RSS (GB) above the start."""
-    trainer.fast_update, trainer.fast_max_padding = VARIANTS[variant]
+    trainer.fast_update, trainer.fast_max_padding, threads = VARIANTS[variant]
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        return _timed_update(trainer, model, optimizer, batch, rollout_masks, parts, seed)
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _timed_update(trainer, model, optimizer, batch, rollout_masks, parts: int, seed: int) -> dict:  # noqa: ANN001
     gc_before = rss_gb()
     times: dict[str, float] = {"reference_s": 0.0, "policy_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
     with PeakRss() as peak:
@@ -364,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="check,head,timing",
                         help="comma-separated: check (plain/fast/fp32 losses and gradients), head (LM head alone), "
                              "timing (plain/fast update pairs)")
-    parser.add_argument("--variants", default="plain,fast,fast_per_row",
+    parser.add_argument("--variants", default="plain,fast,plain_1thread,fast_1thread",
                         help=f"update variants per repetition, plain first ({', '.join(VARIANTS)})")
     parser.add_argument("--out", type=Path, default=Path("results/update"))
     args = parser.parse_args(argv)
@@ -420,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     reps = []
     for i in range(args.reps):
         pair = {"bf16_peak_gflops": bf16_peak_gflops(), "load_before": load_avg()}
+        torch.set_num_threads(1)
+        pair["bf16_peak_gflops_1thread"] = bf16_peak_gflops()
+        torch.set_num_threads(result["torch_threads"])
         for variant in args.variants.split(","):
             trim()
             times = one_update(trainer, model, optimizer, batch, rollout_masks, questions_per_step, variant, seed=i)
