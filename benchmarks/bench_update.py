@@ -379,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
                              "timing (plain/fast update pairs)")
     parser.add_argument("--variants", default="plain,fast,plain_1thread,fast_1thread",
                         help=f"update variants per repetition, plain first ({', '.join(VARIANTS)})")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("results/update"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     random.seed(0)
 

@@ -222,17 +222,25 @@ class EviBackTrainer(GRPOTrainer):
     fast_max_padding: float = 0.2  # padding share a batch may carry (0: every row alone)
     _fast_rollout_masks: list[list[int]] | None = None  # the rollout's tool masks, for the no-grad passes
     _fast_loss_mask: torch.Tensor | None = None  # (B, C) loss mask of the micro-batch being scored
+    _fast_new_batch: bool = False  # a generation batch arrived; its first micro-batch is not scored yet
 
     def _generate(self, prompts: list) -> tuple:
         output = super()._generate(prompts)
         self._fast_rollout_masks = output[2]  # per row: 1 model token, 0 observation (None without env_mask)
+        self._fast_new_batch = True
         return output
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        self._fast_loss_mask, self._fast_rollout_masks = mask, None
+        if self._fast_new_batch:
+            # First micro-batch after the rollouts, the teacher and the reference pass: give their freed heap
+            # back before the update allocates (without it the process's RSS grows from step to step).
+            from eviback.train.memory import release_free_heap
+
+            release_free_heap()
+        self._fast_loss_mask, self._fast_rollout_masks, self._fast_new_batch = mask, None, False
         try:
             return super()._compute_loss(model, inputs)
         finally:
