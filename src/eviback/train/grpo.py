@@ -312,6 +312,99 @@ class EviBackTrainer(GRPOTrainer):
             save_model(self.master, os.path.join(folder, MASTER_WEIGHTS))
         super()._save_checkpoint(model, trial)
 
+    # ---- fast update (eviback.train.update): TRL's log-probability passes without padding
+    #
+    # TRL scores each micro-batch padded to the generation batch's longest prompt and completion and, on CPU,
+    # projects every position (prompts and padding included) onto the vocabulary. These overrides run the
+    # rows at their real lengths (similar lengths batched, right-padded) and send only the tokens whose
+    # log-probability is read (the model's own tokens: completion mask x tool mask) through a chunked LM head. The loss, the KL term and the
+    # importance-sampling ratio are TRL's own, on the same fp32 log-probabilities.
+
+    fast_update: bool = True  # False: TRL's own path (bench_update.py compares the two on the same batch)
+    fast_chunk_tokens: int = 512  # positions per LM-head tile: (512, vocab) fp32 is 100 MB for SmolLM2
+    fast_token_budget: int = 16384  # tokens per right-padded decoder batch (update.length_buckets)
+    fast_max_padding: float = 0.2  # padding share a batch may carry (0: every row alone)
+    _fast_rollout_masks: list[list[int]] | None = None  # the rollout's tool masks, for the no-grad passes
+    _fast_loss_mask: torch.Tensor | None = None  # (B, C) loss mask of the micro-batch being scored
+    _fast_new_batch: bool = False  # a generation batch arrived; its first micro-batch is not scored yet
+
+    def _generate(self, prompts: list) -> tuple:
+        output = super()._generate(prompts)
+        self._fast_rollout_masks = output[2]  # per row: 1 model token, 0 observation (None without env_mask)
+        self._fast_new_batch = True
+        return output
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        if self._fast_new_batch:
+            # First micro-batch after the rollouts, the teacher and the reference pass: give their freed heap
+            # back before the update allocates (without it the process's RSS grows from step to step).
+            from eviback.train.memory import release_free_heap
+
+            release_free_heap()
+        self._fast_loss_mask, self._fast_rollout_masks, self._fast_new_batch = mask, None, False
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._fast_loss_mask = None
+
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
+                                           attention_mask: torch.Tensor, logits_to_keep: int,
+                                           batch_size: int | None = None, compute_entropy: bool = False,
+                                           compute_aux_loss: bool = False, **extra: Any) -> tuple:
+        from eviback.train.update import padding_free_logprobs, score_plan
+
+        plan = None
+        if self._fast_path_applies(model, compute_entropy, compute_aux_loss, extra):
+            plan = score_plan(attention_mask, logits_to_keep, self._fast_score_mask(attention_mask, logits_to_keep))
+        if plan is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        logits_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
+        with self.accelerator.autocast():
+            out = padding_free_logprobs(model, input_ids, plan, temperature=self.temperature,
+                                        chunk_tokens=self.fast_chunk_tokens, logits_dtype=logits_dtype,
+                                        token_budget=self.fast_token_budget, max_padding=self.fast_max_padding)
+        return out.logps, (out.entropy if compute_entropy else None), None
+
+    def _fast_path_applies(self, model: Any, compute_entropy: bool, compute_aux_loss: bool,
+                           extra: dict[str, Any]) -> bool:
+        """The fast path covers text-only causal LMs with a plain LM head, outside PEFT and DDP wrappers, when
+        the entropy needs no gradient; anything else goes to TRL's path."""
+        if not self.fast_update or compute_aux_loss or any(v is not None for v in extra.values()):
+            return False
+        if compute_entropy and getattr(self, "_entropy_bonus_enabled", False):
+            return False  # the entropy bonus backpropagates through the entropy
+        if self.accelerator.unwrap_model(model) is not model or hasattr(model, "peft_config"):
+            return False
+        config = model.config.get_text_config()
+        if any(getattr(config, name, None) is not None for name in
+               ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                "logits_scaling")):
+            return False
+        head = model.get_output_embeddings()
+        return head is not None and getattr(head, "bias", None) is None
+
+    def _fast_score_mask(self, attention_mask: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
+        """(B, C) positions to score: the loss mask inside `_compute_loss`; in the no-grad passes after a
+        rollout, its tool masks when they match the batch; otherwise None (every completion token)."""
+        batch = attention_mask.shape[0]
+        if self._fast_loss_mask is not None:
+            return self._fast_loss_mask if tuple(self._fast_loss_mask.shape) == (batch, logits_to_keep) else None
+        masks = self._fast_rollout_masks
+        if masks is None or len(masks) != batch:
+            return None
+        out = torch.zeros(batch, logits_to_keep, dtype=torch.long)
+        real = attention_mask[:, -logits_to_keep:].sum(dim=1).tolist()
+        for b, (row, n) in enumerate(zip(masks, real, strict=True)):
+            if n and len(row) != n:
+                return None  # not this rollout's batch
+            out[b, :len(row)] = torch.tensor(row[:logits_to_keep], dtype=torch.long)
+        return out.to(attention_mask.device)
+
 
 # --------------------------------------------------------------------------------------------------
 # Step records

@@ -264,8 +264,12 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     max_context = config.max_turn_tokens * (config.max_turns + 1) + config.max_obs_tokens * config.max_turns + 512
     # The engine holds its own copy of the policy, refreshed before each rollout step: the trainer's model
     # runs in training mode (and, on GPUs, with gradient checkpointing), which generation must not share.
+    # Its KV cache is sized to one step's rollouts (train/memory.py) instead of vLLM's CPU default of 2 GiB.
+    from eviback.train.memory import rollout_kv_cache_gib
+
+    kv_cache = rollout_kv_cache_gib(config.group_size * config.questions_per_step, max_context, policy_path)
     backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype="bfloat16",
-                                         max_model_len=max(2048, max_context)))
+                                         max_model_len=max(2048, max_context), kv_cache_gib=kv_cache))
     engine = RolloutEngine(backend, retriever, RolloutConfig(
         group_size=config.group_size, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
         max_observation_tokens=config.max_obs_tokens, max_context_tokens=min(backend.max_context, max_context),
