@@ -136,6 +136,8 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
             "completion_mask": completion_mask, "tool_mask": tool_mask,
             "advantages": torch.tensor([1.0, -0.5, 0.25, -0.75]),
+            # the behaviour-policy correction's per-token weights (TRL's vLLM path), not all 1
+            "importance_sampling_ratio": 0.5 + torch.rand(4, c_len),
             "num_items_in_batch": (completion_mask * tool_mask).sum(), "_tools": tools}
 
 
