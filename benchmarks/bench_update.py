@@ -34,6 +34,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -180,7 +181,7 @@ def build_trainer(args: argparse.Namespace, out: Path, group_size: int, question
     model, master = load_policy_for_training(path, "bfloat16", None)
     optimizer = MasterWeightAdamW(model, master, lr=args.lr, weight_decay=0.0)
     config = GRPOConfig(
-        output_dir=str(out / "trainer"), per_device_train_batch_size=group_size,
+        output_dir=tempfile.mkdtemp(prefix="bench_update_"), per_device_train_batch_size=group_size,
         gradient_accumulation_steps=questions_per_step, num_generations=group_size, max_steps=1,
         learning_rate=args.lr, lr_scheduler_type="constant", beta=args.beta, loss_type="dapo",
         temperature=args.temperature, max_completion_length=args.max_completion_length, use_cpu=True,
