@@ -3,9 +3,10 @@
     python benchmarks/bench_training_long.py soak --steps 200 --out results/training/soak.json
     python benchmarks/bench_training_long.py mismatch --steps 4 --out results/training/mismatch.json
 
-`soak` runs `eviback train` (the demo preset with small settings, so that 200 steps fit in well under an
-hour on 2 cores: the cached warm start, 1 question x 2 rollouts per step, short turns, the local two-stage
-teacher with its SQLite reply cache, a checkpoint every 20 steps) and reports, from the run's
+`soak` runs `eviback train` (the demo preset with small settings, so that 200 steps fit in about an hour on
+2 cores: the demo's cached warm start (so the demo's observation cap, part of its cache key), 1 question x 2
+rollouts per step, 64-token turns, the local two-stage teacher with its trained evidence judge and its
+SQLite reply cache, a checkpoint every 20 steps) and reports, from the run's
 metrics.jsonl, the open file descriptors, the resident memory and the run directory's size at steps 1, 50,
 100 and 200, plus the largest value after step 50 (growth after warm-up is what a leak looks like).
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 SOAK_SETTINGS = [
-    "group_size=2", "questions_per_step=1", "max_turn_tokens=64", "max_obs_tokens=128", "save_steps=20",
+    "group_size=2", "questions_per_step=1", "max_turn_tokens=64", "save_steps=20",
     "save_total_limit=2", "eval_benchmarks=[]", "keep_rollout_steps=10",
 ]
 GAUGES = ("process/open_fds", "memory/rss_gb", "memory/peak_rss_gb", "run/dir_mb", "time/step")
