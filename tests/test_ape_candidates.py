@@ -111,7 +111,7 @@ def test_what_the_controller_is_shown_never_contains_gold():
 def test_a_skeleton_controller_fills_one_string_and_caches_the_reply():
     from eviback.ape.controller import ChatController, ControllerSettings
     from eviback.teacher.cache import MemoryCache
-    from eviback.teacher.fakes import ScriptedClient
+    from teacher_fakes import ScriptedClient
 
     client = ScriptedClient(lambda request: "Judge only whether a passage states the answer.")
     controller = ChatController(client, ControllerSettings(skeletons=True), MemoryCache())

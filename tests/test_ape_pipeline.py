@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from eviback.ape import ApeConfig, ControllerConfig, ScriptedController, run_ape
+from ape_fakes import ScriptedController
+from eviback.ape import ApeConfig, ControllerConfig, run_ape
 from eviback.ape.events import EventLog, Selected, UnsealedTest
 from eviback.ape.gates import Phase
 from eviback.ape.rollouts import as_rollouts, split_rollouts
@@ -16,11 +17,11 @@ from eviback.ape.spec import spec_from_mapping
 from eviback.data import write_jsonl
 from eviback.teacher.boundary import plant_canaries
 from eviback.teacher.config import TeacherConfig
-from eviback.teacher.fakes import ScriptedClient, default_reply
 from eviback.teacher.judge import JudgeConfig
 from eviback.teacher.policy import load_policy, read_artifact
 from eviback.teacher.probes import build_probes
 from eviback.types import to_dict
+from teacher_fakes import ScriptedClient, default_reply
 
 SPEC = {"stability": {"rollouts": 16, "bootstrap_resamples": 200},
         "search": {"rounds": 2, "max_candidates": 20, "proposals_per_round": 2},

@@ -23,7 +23,7 @@ from eviback.ape.candidates import (
     parse_proposal,
     static_rejections,
 )
-from eviback.ape.controller import ChatController, Controller, LocalChatClient, ScriptedController
+from eviback.ape.controller import ChatController, Controller, LocalChatClient
 from eviback.ape.gates import ACCEPTANCE, SELECTION, GateReport, GateResult, Selection
 from eviback.ape.measure import CandidateMetrics, Condition, RolloutOutcome
 from eviback.ape.pipeline import ApeConfig, ControllerConfig, ControllerKind, run_ape
@@ -36,7 +36,7 @@ __all__ = [
     "ACCEPTANCE", "MUTATIONS", "SELECTION", "ApeConfig", "ApeResult", "Candidate", "CandidateMetrics",
     "ChatController", "Condition", "ConstraintSpec", "Controller", "ControllerConfig", "ControllerKind",
     "GateReport", "GateResult", "LocalChatClient", "Origin", "RejectedProposal", "RolloutOutcome",
-    "ScriptedController", "SealedSplit", "Selection", "SpecError", "Split", "bootstrap_lower_bound",
+    "SealedSplit", "Selection", "SpecError", "Split", "bootstrap_lower_bound",
     "default_spec_text", "fleiss_kappa", "load_spec", "parse_proposal", "render_markdown", "run_ape",
     "split_rollouts", "static_rejections", "sufficiency_label", "wilson_lower_bound",
 ]
