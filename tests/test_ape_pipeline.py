@@ -27,6 +27,7 @@ SPEC = {"stability": {"rollouts": 16, "bootstrap_resamples": 200},
         "search": {"rounds": 2, "max_candidates": 20, "proposals_per_round": 2},
         "objective": {"min_labelled": 5}}
 MARKER = "LEAK-MARKER-7"
+BASELINE_STAGE = load_policy("single-prompt-dual-task").status_stage.name
 PROPOSALS = {
     100: "I think the prompt should be clearer.",  # no JSON: rejected with the reason
     101: '{"stages": [{"name": "A", "sees": ["question", "evidence", "gold"], "user_template": '
@@ -38,7 +39,8 @@ PROPOSALS = {
 
 class Oracle:
     """A scripted teacher that says S exactly when a gold passage is in the request; sampled stages flip a
-    third of their verdicts on samples > 0. Records what it was asked, and whether a selection had happened."""
+    third of their verdicts on samples > 0; the manual single-prompt baseline's stage always says S (so the
+    sealed test can confirm a winner). Records what it was asked, and whether a selection had happened."""
 
     def __init__(self, trajectories, *, constant=None, stop_after=None):
         self.gold = {p.text[:60] for t in trajectories for p in t.evidence if p.id in t.question.gold_passage_ids}
@@ -56,6 +58,8 @@ class Oracle:
         self.log.append((request, self.selected))
         user = request.messages[-1].content
         status = self.constant or ("S" if any(g in user for g in self.gold) else "I")
+        if request.stage == BASELINE_STAGE:
+            status = "S"
         if request.decoding.temperature > 0 and request.sample_index > 0 and \
                 int(hashlib.sha256(user.encode()).hexdigest(), 16) % 3 == 0:
             status = "I" if status == "S" else "S"
@@ -114,6 +118,9 @@ def test_a_winner_is_selected_frozen_and_loadable(run):
     assert artifact.provenance["gate_report"]["results"] and artifact.provenance["candidate"] == sel.winner
     assert [s["sha256"] for s in artifact.provenance["splits"]] == [s.sha256 for s in result.identity.splits]
     assert artifact.provenance["sealed_test_metrics"]["split"] == "test"
+    confirmation = artifact.provenance["sealed_test_confirmation"]
+    assert confirmation["confirmed"] and confirmation["winner_lower"] > confirmation["baseline_objective"] == 0.5
+    assert artifact.provenance["inputs"] == list(result.identity.inputs)
     report = (out / "report.md").read_text()
     assert f"**Winner: {sel.winner}" in report and "## Sealed test" in report
     assert json.loads((out / "result.json").read_text())["schema_version"] == 1
@@ -218,6 +225,20 @@ def test_no_feasible_candidate_keeps_the_test_sealed(data, tmp_path):
     assert "No candidate passed every gate" in (tmp_path / "report.md").read_text()
     accepted = result.record("r2.p0")  # GEPA's acceptance: judged on the training feedback rollouts first
     assert accepted.feedback_objective == 0.5 and accepted.phase is Phase.STABILITY
+
+
+def test_nothing_is_frozen_when_the_sealed_test_does_not_confirm_the_winner(data, tmp_path):
+    dump, planted, _ = data
+    oracle = Oracle(planted)
+    spec = spec_from_mapping({**SPEC, "search": {"rounds": 0}, "freeze": {"margin": 0.6}})  # beat 0.5 + 0.6: never
+    result = run_ape(config(tmp_path, dump), spec, client=oracle.client, controller=controller(),
+                     progress=oracle.progress)
+    assert result.selection.winner is not None and result.test is not None  # selected and measured on the test
+    assert result.frozen_path == "" and not (tmp_path / "teacher.json").exists()
+    assert not result.confirmation.confirmed and "margin 0.6" in result.confirmation.reasons[0]
+    report = (tmp_path / "report.md").read_text()
+    assert "Nothing frozen: the sealed test did not confirm" in report and "not confirmed, nothing frozen" in report
+    assert "agreement with sufficiency labels (plain)" in report  # every sealed-test row, winning or not
 
 
 def test_cli_writes_the_default_spec_and_names_missing_inputs(tmp_path, capsys):

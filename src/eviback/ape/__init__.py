@@ -23,10 +23,12 @@ from eviback.ape.candidates import (
     parse_proposal,
     static_rejections,
 )
+from eviback.ape.config import ApeConfig, ControllerConfig, ControllerKind
+from eviback.ape.confirm import Confirmation, confirm
 from eviback.ape.controller import ChatController, Controller, LocalChatClient
 from eviback.ape.gates import ACCEPTANCE, SELECTION, GateReport, GateResult, Selection
 from eviback.ape.measure import CandidateMetrics, Condition, RolloutOutcome
-from eviback.ape.pipeline import ApeConfig, ControllerConfig, ControllerKind, run_ape
+from eviback.ape.pipeline import run_ape
 from eviback.ape.report import ApeResult, render_markdown
 from eviback.ape.rollouts import SealedSplit, Split, split_rollouts, sufficiency_label
 from eviback.ape.spec import ConstraintSpec, SpecError, default_spec_text, load_spec
@@ -34,9 +36,9 @@ from eviback.ape.stats import bootstrap_lower_bound, fleiss_kappa, wilson_lower_
 
 __all__ = [
     "ACCEPTANCE", "MUTATIONS", "SELECTION", "ApeConfig", "ApeResult", "Candidate", "CandidateMetrics",
-    "ChatController", "Condition", "ConstraintSpec", "Controller", "ControllerConfig", "ControllerKind",
+    "ChatController", "Condition", "Confirmation", "ConstraintSpec", "Controller", "ControllerConfig", "ControllerKind",
     "GateReport", "GateResult", "LocalChatClient", "Origin", "RejectedProposal", "RolloutOutcome",
     "SealedSplit", "Selection", "SpecError", "Split", "bootstrap_lower_bound",
-    "default_spec_text", "fleiss_kappa", "load_spec", "parse_proposal", "render_markdown", "run_ape",
+    "confirm", "default_spec_text", "fleiss_kappa", "load_spec", "parse_proposal", "render_markdown", "run_ape",
     "split_rollouts", "static_rejections", "sufficiency_label", "wilson_lower_bound",
 ]

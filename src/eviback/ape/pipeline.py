@@ -24,14 +24,9 @@ twice):
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import logging
-import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 from eviback.ape.candidates import (
@@ -47,6 +42,8 @@ from eviback.ape.candidates import (
     static_rejections,
     structure_key,
 )
+from eviback.ape.config import ApeConfig, ControllerKind, Progress, stderr_progress
+from eviback.ape.confirm import Confirmation, confirm
 from eviback.ape.controller import (
     EXAMPLE_TEXTS,
     ChatController,
@@ -57,6 +54,7 @@ from eviback.ape.controller import (
     ParentSummary,
     controller_messages,
 )
+from eviback.ape.data import load_data
 from eviback.ape.events import (
     CandidateEvaluated,
     CandidateProposed,
@@ -73,6 +71,7 @@ from eviback.ape.events import (
     RunIdentity,
     RunStarted,
     Selected,
+    TestConfirmation,
     UnsealedTest,
 )
 from eviback.ape.gates import (
@@ -103,19 +102,12 @@ from eviback.ape.rollouts import (
     Rollout,
     RolloutSplits,
     Split,
-    as_rollouts,
-    keep_all_zero,
     load_paraphrases,
-    probe_trajectories,
-    read_dump,
-    split_rollouts,
     subset,
 )
 from eviback.ape.spec import ConstraintSpec, ObjectiveMetric, spec_yaml
-from eviback.data import file_sha256
 from eviback.teacher.chat import TeacherCallError, TeacherClient
-from eviback.teacher.config import Backend, TeacherConfig, open_cache
-from eviback.teacher.openai_http import HttpBackendConfig, StructuredOutput
+from eviback.teacher.config import Backend, open_cache
 from eviback.teacher.policy import TeacherPolicy, freeze_policy, load_policy
 from eviback.teacher.workflow import blind_view
 from eviback.types import Status
@@ -124,86 +116,6 @@ log = logging.getLogger(__name__)
 
 BASELINE = "single-prompt-dual-task"  # the manual policy the winner is compared with on the sealed test
 BASELINE_ID = "baseline"  # its id when it is not one of the seeds
-
-
-class ControllerKind(enum.StrEnum):
-    LOCAL = "local"  # the local model, free-text generation
-    HTTP = "http"  # an OpenAI-compatible endpoint
-    NONE = "none"  # no controller: seeds and systematic variants only
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """The controller LLM."""
-
-    kind: ControllerKind = ControllerKind.LOCAL
-    http: HttpBackendConfig = field(default_factory=lambda: HttpBackendConfig(structured_output=StructuredOutput.NONE))
-    local_model: str = "smollm2-135m"  # a bundled name or a local HF checkpoint directory
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ControllerKind(self.kind))
-        if self.http.structured_output is not StructuredOutput.NONE:
-            # the controller writes free JSON: a stage reply schema would constrain it to nothing useful
-            object.__setattr__(self, "http", dataclasses.replace(self.http, structured_output=StructuredOutput.NONE))
-
-
-@dataclass(frozen=True)
-class ApeConfig:
-    """Where an E2E-APE run reads its rollouts, which backends it uses and where it writes."""
-
-    out: str  # the run directory (events, cache, report, frozen policy)
-    dumps: tuple[str, ...] = ()  # rollout dumps (eval items.jsonl, train groups.jsonl, bare trajectories)
-    probes: int = 0  # probe rollouts with known sufficiency to add, built from `suite`
-    suite: str | None = None  # data suite for the probes (default: the embedded one)
-    probe_datasets: tuple[str, ...] = ("nq", "popqa", "hotpotqa")
-    probe_seed: int = 0
-    teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(cache=""))  # `policy` is unused
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    cache: str = "cache.sqlite"  # reply cache, relative to `out` (or absolute); "" for none
-    frozen_name: str = "teacher.json"  # the frozen winner, relative to `out`
-
-    def __post_init__(self) -> None:
-        if not self.dumps and self.probes <= 0:
-            raise ValueError("no rollouts: give dumps (eval items.jsonl / train groups.jsonl) and/or --probes N")
-
-
-Progress = Callable[[str], None]
-
-
-def stderr_progress(message: str) -> None:
-    print(f"[ape {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-
-
-def load_data(config: ApeConfig, spec: ConstraintSpec) -> tuple[RolloutSplits, tuple[str, ...], int]:
-    """The split rollouts, a description of the inputs, and how many duplicates were dropped."""
-    trajectories = []
-    inputs = []
-    for path in config.dumps:
-        trajectories += read_dump(path)
-        inputs.append(f"dump {path} sha256:{file_sha256(path)[:16]}")
-    if config.probes > 0:
-        trajectories += probe_trajectories(config.probes, config.suite, config.probe_datasets, config.probe_seed)
-        inputs.append(f"probes n={config.probes} suite={config.suite or 'embedded'} "
-                      f"datasets={','.join(config.probe_datasets)} seed={config.probe_seed}")
-    if spec.data.all_zero_only:
-        trajectories = keep_all_zero(trajectories)
-    rollouts, duplicates = as_rollouts(trajectories)
-    splits = split_rollouts(rollouts, salt=spec.data.salt, train=spec.data.train, validation=spec.data.validation)
-    labelled = sum(r.sufficient is not None for r in splits.validation)
-    if labelled < spec.objective.min_labelled:
-        raise ValueError(
-            f"the validation split has {labelled} rollouts with a sufficiency label (questions with "
-            f"metadata.gold_passage_ids), fewer than objective.min_labelled={spec.objective.min_labelled}: add "
-            f"rollouts on nq_oracle / popqa / *_ctx questions, or probes (--probes N), or lower min_labelled")
-    if len(splits.test) == 0 or not splits.train:
-        raise ValueError(f"{len(rollouts)} rollouts leave an empty train or test split; add rollouts (more "
-                         f"questions) or change data.train/validation/test")
-    return splits, tuple(inputs), duplicates
-
 
 class ApeRun:
     """One run's state (rebuilt from its event log) and its steps. Use :func:`run_ape`."""
@@ -238,6 +150,7 @@ class ApeRun:
         self.selected: tuple[int, Selection] | None = None
         self.unsealed: UnsealedTest | None = None
         self.frozen: PolicyFrozen | None = None
+        self.confirmation: Confirmation | None = None
         for logged in self.log.events:
             self._apply(logged.seq, logged.event)
 
@@ -265,6 +178,8 @@ class ApeRun:
             self.unsealed = event
         elif isinstance(event, EvaluatedOnTest):
             self.tests[event.candidate_id] = event
+        elif isinstance(event, TestConfirmation):
+            self.confirmation = event.confirmation
         elif isinstance(event, PolicyFrozen):
             self.frozen = event
 
@@ -660,6 +575,20 @@ class ApeRun:
             rejections = static_rejections(policy, max_stages=self.spec.search.max_stages)
             self._emit(EvaluatedOnTest(cid, Split.TEST, metrics, full_report(metrics, rejections, self.spec)))
 
+    def confirm(self, winner: Candidate) -> Confirmation:
+        """The spec's freeze rule on the sealed test (logged once)."""
+        if self.confirmation is None:
+            base_id = self.unsealed.candidate_ids[-1]  # type: ignore[union-attr]
+            labels = {r.key: r.sufficient for r in self._test_rollouts()}
+            confirmation = confirm(winner.id, self.results[(winner.id, Split.TEST, Condition.BASE, 0)].outcomes,
+                                   self.tests[winner.id].report, base_id, self.tests[base_id].metrics, labels,
+                                   self.spec)
+            self._emit(TestConfirmation(confirmation))
+            verdict = "confirmed" if confirmation.confirmed else "NOT confirmed: " + "; ".join(confirmation.reasons)
+            self.progress(f"sealed test: {winner.id} {verdict}")
+        assert self.confirmation is not None
+        return self.confirmation
+
     def freeze(self, winner: Candidate) -> PolicyFrozen:
         if self.frozen is None:
             decided = self.decided[winner.id]
@@ -677,6 +606,8 @@ class ApeRun:
                 "validation_metrics": to_dict(decided.metrics),
                 "sealed_test_metrics": to_dict(test.metrics) if test is not None else None,
                 "selection": to_dict(self.selected[1]) if self.selected else None,
+                "sealed_test_confirmation": to_dict(self.confirmation) if self.confirmation else None,
+                "inputs": list(self.inputs),
             }
             path = freeze_policy(winner.policy, self.out / self.config.frozen_name, provenance)
             self._emit(PolicyFrozen(str(path), winner.policy.version))
@@ -700,7 +631,8 @@ class ApeRun:
         if selection.winner is not None:
             winner = self.candidates[selection.winner]
             self.test_evaluation(winner)
-            self.freeze(winner)
+            if self.confirm(winner).confirmed:
+                self.freeze(winner)
         result = self.result()
         write_outputs(result, self.out)
         if not self.log.of(RunFinished):
@@ -734,6 +666,7 @@ class ApeRun:
         return ApeResult(
             identity=self.identity(), spec=self.spec, candidates=tuple(records),
             rejected_proposals=tuple(self.rejected.values()), selection=selection, test=test,
+            confirmation=self.confirmation,
             frozen_path=self.frozen.path if self.frozen else "", frozen_version=self.frozen.version if self.frozen else "",
             teacher_calls=calls)
 

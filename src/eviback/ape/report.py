@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eviback.ape.candidates import Candidate, RejectedProposal
+from eviback.ape.confirm import Confirmation
 from eviback.ape.events import RunIdentity
 from eviback.ape.gates import GateReport, Phase, Selection
 from eviback.ape.measure import CandidateMetrics, StabilityMetrics
@@ -60,6 +61,7 @@ class ApeResult:
     frozen_path: str
     frozen_version: str
     teacher_calls: int  # backend calls paid over the whole run (all resumptions), cache hits excluded
+    confirmation: Confirmation | None = None  # the sealed test's verdict on the winner (None: no winner)
     schema_version: int = RESULT_SCHEMA_VERSION
 
     def record(self, candidate_id: str) -> CandidateRecord | None:
@@ -162,7 +164,13 @@ def render_markdown(result: ApeResult) -> str:
     winner = sel.winner if sel else None
     front = sel.non_dominated if sel else ()
     lines = ["# E2E-APE report", ""]
-    if winner:
+    c = result.confirmation
+    if winner and c is not None and not c.confirmed:
+        w = result.record(winner)
+        name = w.candidate.policy.name if w else winner
+        lines += [f"**Nothing frozen: the sealed test did not confirm the selected winner {winner} `{name}`** "
+                  f"(rule `{c.rule.value}`): " + "; ".join(c.reasons) + ".", ""]
+    elif winner:
         w = result.record(winner)
         name = w.candidate.policy.name if w else winner
         lines += [f"**Winner: {winner} `{name}`**, frozen as `{Path(result.frozen_path).name}` version "
@@ -212,6 +220,11 @@ def render_markdown(result: ApeResult) -> str:
                   "every condition (nothing short-circuits here).", "",
                   f"| metric | winner {t.winner} `{t.winner_name}` | manual `{t.baseline_name}` |", "|---|---|---|"]
         lines += [f"| {_cell(m)} | {_cell(a)} | {_cell(b)} |" for m, a, b in comparison_rows(t)]
+        if c is not None:
+            lines += ["", f"Freeze rule `{c.rule.value}`: the winner's objective {_f(c.winner_objective)}, one-sided "
+                      f"{spec.stability.confidence:g} bootstrap lower bound {_f(c.winner_lower)}, against the "
+                      f"baseline's {_f(c.baseline_objective)}" + (f" + margin {c.margin:g}" if c.margin else "")
+                      + f": {'confirmed, frozen' if c.confirmed else 'not confirmed, nothing frozen'}."]
         failed = t.baseline_report.reasons()
         if failed:
             lines += ["", "Gates the manual policy fails on the test split: " + "; ".join(failed) + "."]

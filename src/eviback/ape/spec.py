@@ -234,6 +234,29 @@ class Search:
             raise SpecError("search.max_candidates, max_stages and controller_max_tokens must be >= 1")
 
 
+class FreezeRule(enum.StrEnum):
+    LOWER_BOUND_ABOVE_BASELINE = "lower-bound-above-baseline"  # the winner's objective lower bound on the
+    # sealed test is above the manual single-prompt policy's point estimate there
+
+
+@dataclass(frozen=True)
+class Freeze:
+    """When the selected winner is frozen: only when the sealed test confirms it. Otherwise the run ends with
+    nothing frozen and the reasons."""
+
+    rule: FreezeRule = _help("lower-bound-above-baseline: the winner's bootstrap lower bound of the objective on "
+                             "the sealed test (stability.confidence, stability.bootstrap_resamples) must exceed "
+                             "the single-prompt baseline's point estimate there",
+                             default=FreezeRule.LOWER_BOUND_ABOVE_BASELINE)
+    margin: float = _help("the lower bound must exceed the baseline by more than this", default=0.0)
+    require_test_gates: bool = _help("every gate must also hold for the winner on the sealed test", default=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rule", FreezeRule(self.rule))
+        if not 0 <= self.margin < 1:
+            raise SpecError(f"freeze.margin={self.margin} must be in [0, 1)")
+
+
 @dataclass(frozen=True)
 class ConstraintSpec:
     """An E2E-APE run's constraints, objective, data split and search budget."""
@@ -245,6 +268,7 @@ class ConstraintSpec:
     objective: Objective = _help("the ranking among feasible candidates", default_factory=Objective)
     data: DataSplit = _help("the split of the rollouts", default_factory=DataSplit)
     search: Search = _help("the candidate search", default_factory=Search)
+    freeze: Freeze = _help("when the winner is frozen (the sealed-test rule)", default_factory=Freeze)
 
     def __post_init__(self) -> None:
         if self.schema_version != SPEC_SCHEMA_VERSION:

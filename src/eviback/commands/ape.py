@@ -94,13 +94,17 @@ def run(args: argparse.Namespace) -> int:
     if winner is None:
         print(f"no candidate passed every gate; see {config.out}/report.md for each reason", file=sys.stderr)
         return 1
+    if not result.frozen_path:
+        reasons = "; ".join(result.confirmation.reasons) if result.confirmation else "no sealed-test confirmation"
+        print(f"nothing frozen: the sealed test did not confirm {winner}: {reasons}", file=sys.stderr)
+        return 1
     print(f"\nwinner {winner}: frozen {result.frozen_path} version {result.frozen_version[:12]}\n"
           f"use it: eviback judge DUMP --policy {result.frozen_path}@{result.frozen_version[:12]}")
     return 0
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
-    from eviback.ape.pipeline import ApeConfig, ControllerConfig
+    from eviback.ape.config import ApeConfig, ControllerConfig
     from eviback.teacher import HttpBackendConfig, JudgeConfig, RetryConfig, TeacherConfig
     from eviback.teacher.local import LocalBackendConfig
 
