@@ -123,6 +123,10 @@ def test_a_winner_is_selected_frozen_and_loadable(run):
     assert artifact.provenance["inputs"] == list(result.identity.inputs)
     report = (out / "report.md").read_text()
     assert f"**Winner: {sel.winner}" in report and "## Sealed test" in report
+    # the greedy seed's repeated sampling is reported as not applicable, never as agreement 1.00
+    seed = result.record("s0")
+    assert any(g.gate == "repeated sampling" and g.value.startswith("not applicable") for g in seed.report.results)
+    assert "not applicable (greedy decoding)" in report
     assert json.loads((out / "result.json").read_text())["schema_version"] == 1
 
 

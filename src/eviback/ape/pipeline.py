@@ -84,6 +84,8 @@ from eviback.ape.gates import (
     base_gates,
     canary_gates,
     full_report,
+    not_applicable,
+    not_applicable_gate,
     stability_floor,
     stability_gate,
     static_gates,
@@ -345,6 +347,10 @@ class ApeRun:
             rule = self.spec.stability.checks()[check]
             if not rule.enabled:
                 continue
+            why = not_applicable(check, c.policy)
+            if why:
+                gates.append(not_applicable_gate(check, why, rule))
+                continue
             self._conditions(c, Split.VALIDATION, val, check)
             metrics = self._metrics(c.policy, c.id, Split.VALIDATION)
             gates.append(stability_gate(check, metrics.stability_of(check), rule, self.spec))
@@ -569,11 +575,11 @@ class ApeRun:
             self.judged((cid, policy), Split.TEST, subset(rollouts, self.spec.stability.rollouts, self.spec.data.salt),
                         Condition.CANARY)
             for check, rule in self.spec.stability.checks().items():
-                if rule.enabled:
+                if rule.enabled and not not_applicable(check, policy):
                     self._conditions((cid, policy), Split.TEST, rollouts, check)
             metrics = self._metrics(policy, cid, Split.TEST)
             rejections = static_rejections(policy, max_stages=self.spec.search.max_stages)
-            self._emit(EvaluatedOnTest(cid, Split.TEST, metrics, full_report(metrics, rejections, self.spec)))
+            self._emit(EvaluatedOnTest(cid, Split.TEST, metrics, full_report(metrics, rejections, self.spec, policy)))
 
     def confirm(self, winner: Candidate) -> Confirmation:
         """The spec's freeze rule on the sealed test (logged once)."""

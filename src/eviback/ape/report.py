@@ -17,7 +17,7 @@ from pathlib import Path
 from eviback.ape.candidates import Candidate, RejectedProposal
 from eviback.ape.confirm import Confirmation
 from eviback.ape.events import RunIdentity
-from eviback.ape.gates import GateReport, Phase, Selection
+from eviback.ape.gates import NOT_APPLICABLE, GateReport, Phase, Selection
 from eviback.ape.measure import CandidateMetrics, StabilityMetrics
 from eviback.ape.spec import ConstraintSpec
 from eviback.types import to_dict
@@ -91,6 +91,13 @@ def _stab(s: StabilityMetrics | None) -> str:
     return f"{_f(a.rate, 2)} (LB {_f(a.lower, 2)}, n={a.n}); {kappa}"
 
 
+def _stab_or_na(m: CandidateMetrics, report: GateReport | None, gate: str) -> str:
+    """The stability cell, or "not applicable" where the check measures nothing for the policy."""
+    results = report.results if report is not None else ()
+    na = next((g for g in results if g.gate == gate and g.value.startswith(NOT_APPLICABLE)), None)
+    return NOT_APPLICABLE + " (greedy decoding)" if na is not None else _stab(m.stability_of(gate.replace(" ", "_")))
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -111,7 +118,7 @@ def _candidate_table(records: Sequence[CandidateRecord], winner: str | None, fro
                     f"{m.cost.tokens_per_rollout:.0f}", f"{m.cost.requests_per_rollout:.2f}",
                     _f(m.schema_violation_rate, 3),
                     _stab(m.stability_of("reordered_evidence")), _stab(m.stability_of("paraphrased_question")),
-                    _stab(m.stability_of("repeated_sampling"))]
+                    _stab_or_na(m, r.report, "repeated sampling")]
         else:
             cols = ["–"] * 8
         lines.append("| " + " | ".join(_cell(x) for x in [c.id, c.policy.name, origin, outcome, *cols,
@@ -136,8 +143,8 @@ def comparison_rows(t: TestComparison) -> list[tuple[str, str, str]]:
         ("I overturned", str(w.boundary.overturned_i), str(b.boundary.overturned_i)),
         ("schema-violation rate", _f(w.schema_violation_rate), _f(b.schema_violation_rate)),
         ("teacher-error rate", _f(w.error_rate), _f(b.error_rate)),
-        ("stability: repeated sampling", _stab(w.stability_of("repeated_sampling")),
-         _stab(b.stability_of("repeated_sampling"))),
+        ("stability: repeated sampling", _stab_or_na(w, t.winner_report, "repeated sampling"),
+         _stab_or_na(b, t.baseline_report, "repeated sampling")),
         ("stability: reordered evidence", _stab(w.stability_of("reordered_evidence")),
          _stab(b.stability_of("reordered_evidence"))),
         ("stability: paraphrased question", _stab(w.stability_of("paraphrased_question")),
