@@ -8,16 +8,18 @@ import json
 
 import pytest
 
-from ape_fakes import ScriptedController
+from ape_fakes import ReplayChatServer, ScriptedController
 from eviback.ape import ApeConfig, ControllerConfig, run_ape
 from eviback.ape.events import EventLog, Selected, UnsealedTest
 from eviback.ape.gates import Phase
+from eviback.ape.report import ProposalCounts
 from eviback.ape.rollouts import as_rollouts, split_rollouts
 from eviback.ape.spec import spec_from_mapping
 from eviback.data import write_jsonl
 from eviback.teacher.boundary import plant_canaries
 from eviback.teacher.config import TeacherConfig
 from eviback.teacher.judge import JudgeConfig
+from eviback.teacher.openai_http import HttpBackendConfig
 from eviback.teacher.policy import load_policy, read_artifact
 from eviback.teacher.probes import build_probes
 from eviback.types import to_dict
@@ -243,6 +245,50 @@ def test_nothing_is_frozen_when_the_sealed_test_does_not_confirm_the_winner(data
     report = (tmp_path / "report.md").read_text()
     assert "Nothing frozen: the sealed test did not confirm" in report and "not confirmed, nothing frozen" in report
     assert "agreement with sufficiency labels (plain)" in report  # every sealed-test row, winning or not
+
+
+def whole_workflow(**stage_a):
+    """A complete workflow IR as a capable controller would write it: the two-stage policy, Stage A changed."""
+    doc = to_dict(load_policy("two-stage"))
+    doc["name"] = "proposed"
+    doc["stages"][0].update(stage_a)
+    return {k: doc[k] for k in ("name", "stages", "weights")}
+
+
+def test_proposal_contract_with_a_real_http_controller(data, tmp_path):
+    """The pipeline asks a real OpenAI-compatible server for whole workflows; every free-form reply is
+    validated before any teacher call: valid -> evaluated; malformed, invalid IR, leaky -> rejected with the
+    reason, counted, and never sent to the teacher."""
+    dump, planted, _ = data
+    valid = whole_workflow(user_template="Question: $question\nPassages:\n$evidence\nDo the passages state the "
+                                         "answer? Reply in JSON with status S, A or I.")
+    leaky = whole_workflow(sees=["question", "evidence", "gold"],
+                           user_template=MARKER + " $question $evidence the answer is $gold")
+    invalid = whole_workflow()
+    invalid["stages"][1]["run_on"] = ["S", "I"]  # an I verdict overturned by a later stage: not a valid IR
+    replies = ["Here is my proposal:\n```json\n" + json.dumps(valid) + "\n```",
+               "I would make the judge stricter about dates.",  # no JSON at all
+               json.dumps(leaky), json.dumps(invalid),
+               json.dumps(valid)[:80]]  # cut at the token budget
+    oracle = Oracle(planted)
+    spec = spec_from_mapping({**SPEC, "search": {"rounds": 1, "proposals_per_round": 5, "mutations_per_round": 0,
+                                                 "mutations": ["binary-status"], "max_candidates": 20}})
+    with ReplayChatServer(*replies) as server:
+        controller = ControllerConfig(kind="http", http=HttpBackendConfig(base_url=server.base_url, model="replay"))
+        cfg = dataclasses.replace(config(tmp_path, dump), controller=controller)
+        result = run_ape(cfg, spec, client=oracle.client, progress=oracle.progress)
+    assert len(server.bodies) == 5
+    prompt = server.bodies[0]["messages"][-1]["content"]
+    assert "run_on" in prompt and "weights" in prompt and "decoding" in prompt  # the whole workflow IR is shown
+    assert result.proposals == ProposalCounts(received=5, invalid=3, leaky=1, other_static=0, evaluated=1)
+    reasons = {p.id: p.reason for p in result.rejected_proposals}
+    assert "no JSON object" in reasons["r1.p1"] and "run_on contains I" in reasons["r1.p3"]
+    assert "cut at the token budget" in reasons["r1.p4"]
+    leaky_record = result.record("r1.p2")
+    assert leaky_record.phase is Phase.STATIC and "evidence boundary" in leaky_record.reasons[0]
+    assert not any(MARKER in m.content for r, _ in oracle.log for m in r.messages)
+    assert result.record("r1.p0").outcome in ("feasible", "rejected") and result.record("r1.p0").metrics is not None
+    assert "Controller proposals: 5 received; 3 invalid" in (tmp_path / "report.md").read_text()
 
 
 def test_cli_writes_the_default_spec_and_names_missing_inputs(tmp_path, capsys):

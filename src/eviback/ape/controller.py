@@ -77,9 +77,31 @@ def _workflow_json(policy: TeacherPolicy) -> str:
     return json.dumps({"stages": stages}, indent=1, ensure_ascii=False)
 
 
-def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
-                        failures: Sequence[FailureExample]) -> tuple[ChatMessage, ...]:
-    """The controller's prompt: the parent workflow, its results, a few gold-free failures, the rules."""
+def _full_workflow_json(policy: TeacherPolicy) -> str:
+    """The whole workflow IR: every stage (what it sees, prompts, output schema, labels, gate, decoding) and
+    the reward weights."""
+    d = to_dict(policy)
+    stages = [{k: v for k, v in st.items() if k != "backend" or v} for st in d["stages"]]
+    return json.dumps({"name": d["name"], "stages": stages, "weights": d["weights"]}, indent=1, ensure_ascii=False)
+
+
+WORKFLOW_RULES = (
+    "A workflow is a list of stages run in order. Each stage: name; sees (a subset of question, evidence, answer, "
+    "gold); system_prompt and user_template (templates using $question, $evidence, $answer, $gold, only for "
+    "inputs the stage sees; write a literal dollar sign as $$); outputs (a subset of status, answer, rationale); "
+    "statuses (the labels S, A, I it may give); run_on (the first stage: []; a later stage runs only on the "
+    "statuses listed, never on I: an I verdict is final); decoding (temperature, top_p, max_tokens, seed). The "
+    "first stage decides the status: it must never see gold and its user_template must contain $question and "
+    "$evidence. weights: the reward per status (insufficient must stay 0).")
+
+
+def controller_messages(parent: TeacherPolicy, summary: ParentSummary, failures: Sequence[FailureExample], *,
+                        whole_workflow: bool = False) -> tuple[ChatMessage, ...]:
+    """The controller's prompt: the parent workflow, its results, a few gold-free failures, the rules.
+
+    `whole_workflow` (a capable controller): it is shown the whole workflow IR and asked for a complete
+    candidate (stages, what each sees, instructions, output schema, decoding, gating rule, reward weights);
+    otherwise (a small model filling a skeleton) it is shown the prompts and asked for a patch of Stage A."""
     status = ", ".join(f"{k}={v}" for k, v in summary.status_counts)
     agreement = "n/a" if summary.balanced_agreement is None else f"{summary.balanced_agreement:.2f}"
     lines = [
@@ -87,7 +109,7 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
         "are enough to answer the question: S (sufficient), A (ambiguous) or I (insufficient).",
         "",
         "Its current workflow (JSON):",
-        _workflow_json(parent),
+        _full_workflow_json(parent) if whole_workflow else _workflow_json(parent),
         "",
         f"On {summary.rollouts} training rollouts its verdicts were {status}. Agreement with the true "
         f"sufficiency (balanced, 0.5 = chance): {agreement}. It said S on {summary.said_s_on_insufficient} "
@@ -99,6 +121,12 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
         for i, f in enumerate(failures, start=1):
             lines += [f"{i}. Question: {f.question}", f"   Passages: {f.evidence}", f"   Agent's answer: {f.answer}",
                       f"   The judge said {f.said.value}; correct: {f.expected.value}."]
+    if whole_workflow:
+        lines += ["", WORKFLOW_RULES,
+                  "Propose a complete new workflow that makes the judge say S exactly when the passages state the "
+                  "answer. Reply with one JSON object only, of the same form as the current workflow (name, "
+                  "stages, weights)."]
+        return (ChatMessage("system", SYSTEM), ChatMessage("user", "\n".join(lines)))
     lines += [
         "",
         "Rules: stage \"A\" decides the status; it must never see \"gold\" and its user_template must contain "

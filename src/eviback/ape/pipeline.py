@@ -99,7 +99,7 @@ from eviback.ape.measure import (
     compute_metrics,
     sufficiency_metrics,
 )
-from eviback.ape.report import ApeResult, CandidateRecord, TestComparison, write_outputs
+from eviback.ape.report import ApeResult, CandidateRecord, ProposalCounts, TestComparison, write_outputs
 from eviback.ape.rollouts import (
     Rollout,
     RolloutSplits,
@@ -498,7 +498,8 @@ class ApeRun:
         controller = self.controller
         if controller is not None and self.spec.search.proposals_per_round:
             summary, failures = self.failures(parent, round_)
-            messages = controller_messages(parent.policy, summary, failures)
+            whole = not (isinstance(controller, ChatController) and controller.settings.skeletons)
+            messages = controller_messages(parent.policy, summary, failures, whole_workflow=whole)
             for p in range(self.spec.search.proposals_per_round):
                 slot = f"{prefix}p{p}"
                 if slot in self.candidates or slot in self.rejected:
@@ -669,10 +670,17 @@ class ApeRun:
                 test = TestComparison(selection.winner, self.candidates[selection.winner].policy.name, base_id,
                                       base_policy.name, w.metrics, b.metrics, w.report, b.report)
         calls = sum(o.calls for r in self.results.values() for o in r.outcomes)
+        proposed = [c for c in self.candidates.values() if c.origin is Origin.CONTROLLER]
+        static = [self.decided.get(c.id) for c in proposed]
+        static = [d for d in static if isinstance(d, CandidateRejected) and d.phase is Phase.STATIC]
+        leaky = sum(any(r.startswith("evidence boundary") for r in d.reasons) for d in static)
+        invalid = sum(p.origin is Origin.CONTROLLER for p in self.rejected.values())
+        proposals = ProposalCounts(received=len(proposed) + invalid, invalid=invalid, leaky=leaky,
+                                   other_static=len(static) - leaky, evaluated=len(proposed) - len(static))
         return ApeResult(
             identity=self.identity(), spec=self.spec, candidates=tuple(records),
             rejected_proposals=tuple(self.rejected.values()), selection=selection, test=test,
-            confirmation=self.confirmation,
+            confirmation=self.confirmation, proposals=proposals,
             frozen_path=self.frozen.path if self.frozen else "", frozen_version=self.frozen.version if self.frozen else "",
             teacher_calls=calls)
 

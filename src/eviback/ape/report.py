@@ -51,6 +51,17 @@ class TestComparison:
 
 
 @dataclass(frozen=True)
+class ProposalCounts:
+    """What became of the controller's replies (every one is validated before any teacher call)."""
+
+    received: int  # controller replies (calls that failed included)
+    invalid: int  # no valid workflow: unparseable, unknown keys, an invalid IR (e.g. I in a later run_on)
+    leaky: int  # valid workflows that break the evidence boundary (gold reaches the status stage)
+    other_static: int  # valid, compliant workflows rejected before any call for another reason (duplicate, ...)
+    evaluated: int  # candidates that went on to be judged
+
+
+@dataclass(frozen=True)
 class ApeResult:
     identity: RunIdentity
     spec: ConstraintSpec
@@ -62,6 +73,7 @@ class ApeResult:
     frozen_version: str
     teacher_calls: int  # backend calls paid over the whole run (all resumptions), cache hits excluded
     confirmation: Confirmation | None = None  # the sealed test's verdict on the winner (None: no winner)
+    proposals: ProposalCounts | None = None
     schema_version: int = RESULT_SCHEMA_VERSION
 
     def record(self, candidate_id: str) -> CandidateRecord | None:
@@ -214,6 +226,11 @@ def render_markdown(result: ApeResult) -> str:
     lines += _candidate_table(result.candidates, winner, front, spec)
     if front:
         lines += ["", f"Non-dominated (objective up, tokens down, stability floor up): {', '.join(front)}."]
+    if result.proposals is not None and result.proposals.received:
+        pc = result.proposals
+        lines += ["", f"Controller proposals: {pc.received} received; {pc.invalid} invalid (no valid workflow), "
+                  f"{pc.leaky} leaky (gold reaches the status stage), {pc.other_static} otherwise rejected before "
+                  f"any call, {pc.evaluated} evaluated."]
     if result.rejected_proposals:
         lines += ["", "## Proposals that never became candidates", "", "| slot | from | reason | reply (start) |",
                   "|---|---|---|---|"]
