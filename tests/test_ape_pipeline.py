@@ -16,7 +16,6 @@ from eviback.ape.report import ProposalCounts
 from eviback.ape.rollouts import as_rollouts, split_rollouts
 from eviback.ape.spec import spec_from_mapping
 from eviback.data import write_jsonl
-from eviback.teacher.boundary import plant_canaries
 from eviback.teacher.config import TeacherConfig
 from eviback.teacher.judge import JudgeConfig
 from eviback.teacher.openai_http import HttpBackendConfig
@@ -80,7 +79,15 @@ class Oracle:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    planted, canaries = plant_canaries([p.trajectory for p in build_probes(80, seed=3)], seed=9)
+    """Rollouts on training questions, each question's gold answers extended by a unique canary (the original
+    gold answers kept, so the evidence labels are those of the real data)."""
+    trajectories = [p.trajectory for p in build_probes(80, seed=3, source="train", datasets=("nq", "popqa"))]
+    planted, canaries = [], []
+    for i, t in enumerate(trajectories):
+        canary = f"CANARY{hashlib.sha256(f'{i}:{t.question.id}'.encode()).hexdigest()[:16]}"
+        question = dataclasses.replace(t.question, golden_answers=(*t.question.golden_answers, canary))
+        planted.append(dataclasses.replace(t, question=question))
+        canaries.append(canary)
     path = tmp_path_factory.mktemp("ape") / "dump.jsonl"
     write_jsonl(path, (to_dict(t) for t in planted))
     return path, planted, canaries
@@ -151,6 +158,25 @@ def test_unusable_proposals_are_recorded_and_the_search_goes_on(run):
     assert "duplicate of r2.p0" in result.record("r2.p1").reasons[0]
     assert any(r.candidate.origin.value == "mutation" and r.candidate.round > 0 for r in result.candidates)
     assert len(ctl.seen) == 4
+
+
+def test_no_request_carries_another_question_s_gold(run, data):
+    """Every gold string in any teacher request or controller prompt is the request's own question's, and
+    only in a gold-aware stage."""
+    _, _, oracle, ctl = run
+    _, planted, canaries = data
+    # the question as any condition shows it (a paraphrase rewords its start, contractions expanded)
+    question_of = {c: t.question.question[1:].rstrip("?").replace("'s", "") for c, t in
+                   zip(canaries, planted, strict=True)}
+    gold_aware = {"B", "judge"}  # the two-stage Stage B, the manual single-prompt baseline
+    seen = 0
+    for request, _ in oracle.log:
+        text = "\n".join(m.content for m in request.messages).replace("'s", "")
+        for c in (c for c in canaries if c in text):
+            seen += 1
+            assert request.stage in gold_aware and question_of[c] in text, (request.stage, c)
+    assert seen > 0  # gold-aware stages did see their own gold
+    assert not any(c in m.content for prompt in ctl.seen for m in prompt for c in canaries)
 
 
 def test_gates_reject_an_unstable_candidate(run):
@@ -299,4 +325,4 @@ def test_cli_writes_the_default_spec_and_names_missing_inputs(tmp_path, capsys):
     assert load_spec(tmp_path / "spec.yaml") == ConstraintSpec()
     assert main(["ape", "--write-spec", str(tmp_path / "spec.yaml")]) == 2  # never overwritten
     assert main(["ape", "--out", str(tmp_path / "run")]) == 2
-    assert "--probes N" in capsys.readouterr().err
+    assert "rollout dumps on training questions" in capsys.readouterr().err

@@ -1,16 +1,18 @@
 """E2E-APE: constraint-driven automatic construction of the teacher policy (EVIBACK.md section 5).
 
-    eviback ape DUMP.jsonl [--probes 300 --suite DATA] --out runs/ape [--spec my-spec.yaml]
+    eviback ape rollouts/step-*.jsonl.gz --out runs/ape [--spec my-spec.yaml]
 
 - `spec`: the constraint spec (hard gates, stability gates on confidence bounds, cost budget, objective,
   data split, search budget), a YAML file of values (`default.yaml`);
-- `rollouts`: dumps and probes in, sufficiency labels, the deterministic split by question with a sealed
-  test split, the perturbations of the stability checks;
+- `config`: the run's inputs and backends; `data`: the actor's rollouts on training questions (evaluation
+  questions refused), labelled by `eviback.teacher.labels`, split by question with a sealed test split;
+- `rollouts`: reading dumps, labels, the split, the perturbations of the stability checks;
 - `candidates`: the candidate record, systematic structural variants, controller proposals parsed into
   policies, the static checks that reject a candidate before any call;
 - `controller`: the controller LLM and the gold-free view of failures it is shown;
 - `measure`: judging a candidate under each condition with the teacher machinery, and its metrics;
 - `stats`: Wilson and bootstrap lower bounds, Fleiss' kappa; `gates`: gates, acceptance and selection;
+- `confirm`: the freeze rule on the sealed test;
 - `events`: the append-only event log that makes a run resumable; `pipeline`: the run; `report`: its result
   and the Markdown report.
 """

@@ -41,19 +41,17 @@ class ApeConfig:
     """Where an E2E-APE run reads its rollouts, which backends it uses and where it writes."""
 
     out: str  # the run directory (events, cache, report, frozen policy)
-    dumps: tuple[str, ...] = ()  # rollout dumps (eval items.jsonl, train groups.jsonl, bare trajectories)
-    probes: int = 0  # probe rollouts with known sufficiency to add, built from `suite`
-    suite: str | None = None  # data suite for the probes (default: the embedded one)
-    probe_datasets: tuple[str, ...] = ("nq", "popqa", "hotpotqa")
-    probe_seed: int = 0
+    dumps: tuple[str, ...] = ()  # the actor's rollout dumps on training questions (rollouts/step-<N>.jsonl.gz)
+    suite: str | None = None  # the data suite whose evaluation questions are refused (default: the embedded one)
     teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(cache=""))  # `policy` is unused
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     cache: str = "cache.sqlite"  # reply cache, relative to `out` (or absolute); "" for none
     frozen_name: str = "teacher.json"  # the frozen winner, relative to `out`
 
     def __post_init__(self) -> None:
-        if not self.dumps and self.probes <= 0:
-            raise ValueError("no rollouts: give dumps (eval items.jsonl / train groups.jsonl) and/or --probes N")
+        if not self.dumps:
+            raise ValueError("no rollouts: give the actor's rollout dumps on training questions "
+                             "(a training run's rollouts/step-<N>.jsonl.gz)")
 
 
 Progress = Callable[[str], None]

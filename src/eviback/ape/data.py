@@ -1,18 +1,38 @@
-"""Stage 1 of a run: read the rollouts, label them and split them by question (the test split sealed)."""
+"""Stage 1 of a run: the actor's rollouts on training questions, labelled, split by question (test sealed).
+
+- rollouts come from dumps of the actor (training rollout dumps, bare trajectories); the rollouts of all-zero
+  groups (no verified hit) first: with `data.all_zero_only` only those are kept;
+- a question of one of the data suite's evaluation files (by id or by normalised text) is refused: the
+  teacher is never selected on benchmark items;
+- labels are the evidence labels of :mod:`eviback.teacher.labels` (the objective);
+- the split is by a salted hash of the question id; the test split is sealed until the final report.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from eviback.ape.config import ApeConfig
-from eviback.ape.rollouts import (
-    RolloutSplits,
-    as_rollouts,
-    keep_all_zero,
-    probe_trajectories,
-    read_dump,
-    split_rollouts,
-)
+from eviback.ape.rollouts import RolloutSplits, as_rollouts, keep_all_zero, read_dump, split_rollouts
 from eviback.ape.spec import ConstraintSpec
-from eviback.data import file_sha256
+from eviback.data import file_sha256, load_suite
+from eviback.types import Trajectory
+
+
+def refuse_eval_questions(trajectories: Sequence[Trajectory], suite: str | None) -> None:
+    """Raise when a rollout's question is one of the suite's evaluation questions (by id or text)."""
+    from eviback.metrics import normalize_answer
+    from eviback.train.warmstart_data import eval_question_keys
+
+    ids, texts = eval_question_keys(load_suite(suite))
+    leaked = sorted({t.question.id for t in trajectories
+                     if t.question.id in ids or normalize_answer(t.question.question) in texts})
+    if leaked:
+        raise ValueError(
+            f"{len(leaked)} rollout question(s) are evaluation questions of the data suite "
+            f"{suite or '(embedded)'} (e.g. {leaked[:3]}): E2E-APE selects the teacher on the actor's rollouts "
+            f"on training questions only; give training rollout dumps (rollouts/step-<N>.jsonl.gz), or --suite "
+            f"for the suite the rollouts' questions come from")
 
 
 def load_data(config: ApeConfig, spec: ConstraintSpec) -> tuple[RolloutSplits, tuple[str, ...], int]:
@@ -22,10 +42,7 @@ def load_data(config: ApeConfig, spec: ConstraintSpec) -> tuple[RolloutSplits, t
     for path in config.dumps:
         trajectories += read_dump(path)
         inputs.append(f"dump {path} sha256:{file_sha256(path)[:16]}")
-    if config.probes > 0:
-        trajectories += probe_trajectories(config.probes, config.suite, config.probe_datasets, config.probe_seed)
-        inputs.append(f"probes n={config.probes} suite={config.suite or 'embedded'} "
-                      f"datasets={','.join(config.probe_datasets)} seed={config.probe_seed}")
+    refuse_eval_questions(trajectories, config.suite)
     if spec.data.all_zero_only:
         trajectories = keep_all_zero(trajectories)
     rollouts, duplicates = as_rollouts(trajectories)
@@ -33,9 +50,9 @@ def load_data(config: ApeConfig, spec: ConstraintSpec) -> tuple[RolloutSplits, t
     labelled = sum(r.sufficient is not None for r in splits.validation)
     if labelled < spec.objective.min_labelled:
         raise ValueError(
-            f"the validation split has {labelled} rollouts with a sufficiency label (questions with "
-            f"metadata.gold_passage_ids), fewer than objective.min_labelled={spec.objective.min_labelled}: add "
-            f"rollouts on nq_oracle / popqa / *_ctx questions, or probes (--probes N), or lower min_labelled")
+            f"the validation split has {labelled} rollouts labelled S or I (eviback.teacher.labels), fewer than "
+            f"objective.min_labelled={spec.objective.min_labelled}: add rollout dumps (more questions), or "
+            f"lower min_labelled")
     if len(splits.test) == 0 or not splits.train:
         raise ValueError(f"{len(rollouts)} rollouts leave an empty train or test split; add rollouts (more "
                          f"questions) or change data.train/validation/test")

@@ -37,7 +37,7 @@ class RunIdentity:
     splits: tuple[SplitInfo, ...]
     teacher_backend: str
     controller: str  # the controller's id, or "none"
-    inputs: tuple[str, ...]  # the dumps (path and sha256) and probe settings, for the record
+    inputs: tuple[str, ...]  # the dumps (path and sha256), for the record
 
 
 @dataclass(frozen=True)

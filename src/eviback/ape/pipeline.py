@@ -1,15 +1,16 @@
 """The E2E-APE run: data -> split -> candidates -> gates -> selection -> sealed test -> frozen teacher.
 
     from eviback.ape import ApeConfig, load_spec, run_ape
-    result = run_ape(ApeConfig(out="runs/ape", probes=300, suite="path/to/data"), load_spec())
+    result = run_ape(ApeConfig(out="runs/ape", dumps=("runs/x/rollouts/step-40.jsonl.gz",)), load_spec())
     result.frozen_path        # the winner as a frozen teacher policy (`eviback judge --policy`, train `teacher:`)
 
 Steps, each logged in ``<out>/events.jsonl`` once complete (a resumed run replays them and redoes only what
 is missing; teacher and controller replies are cached in ``<out>/cache.sqlite``, so nothing paid is paid
 twice):
 
-1. rollouts (dumps and/or probes) are keyed, labelled and split by question into train / validation /
-   sealed test; the split hashes enter the run's identity (a log is only resumed by the same run);
+1. data (`ape.data`): the actor's rollouts on training questions (evaluation questions refused) are keyed,
+   labelled by `eviback.teacher.labels` and split by question into train / validation / sealed test; the
+   split hashes enter the run's identity (a log is only resumed by the same run);
 2. round 0: the seed policies and the systematic variants of the first boundary-compliant seed;
    rounds 1..R: the controller proposes refinements of the current best candidate from its failures on
    training rollouts (shown without gold), plus systematic variants of it;
@@ -18,8 +19,9 @@ twice):
    reordered evidence; paraphrased question; repeated sampling), stopping at its first failed gate;
 4. the best feasible candidate on the objective wins (ties to the cheaper); the test split is unsealed for
    that selection only, and the winner and the manual single-prompt dual-task policy are measured on it;
-5. the winner is frozen with its gate report, metrics and split hashes; ``result.json`` and ``report.md``
-   are written.
+5. the spec's freeze rule is applied on the sealed test (`ape.confirm`): only a confirmed winner is frozen,
+   with its gate report, metrics, confirmation and data hashes; otherwise nothing is frozen and the reasons
+   are reported; ``result.json`` and ``report.md`` are written.
 """
 
 from __future__ import annotations
