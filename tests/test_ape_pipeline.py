@@ -10,7 +10,7 @@ import pytest
 
 from ape_fakes import ReplayChatServer, ScriptedController
 from eviback.ape import ApeConfig, ControllerConfig, run_ape
-from eviback.ape.events import EventLog, Selected, UnsealedTest
+from eviback.ape.events import EventLog, QuestionsParaphrased, Selected, UnsealedTest
 from eviback.ape.gates import Phase
 from eviback.ape.report import ProposalCounts
 from eviback.ape.rollouts import as_rollouts, split_rollouts
@@ -93,8 +93,23 @@ def data(tmp_path_factory):
     return path, planted, canaries
 
 
+PARAPHRASE_PREFIX = "Controller rewording:"
+
+
+def scripted_controller_reply(messages, slot):
+    """Proposals by slot; a paraphrase request gets a rewording, or (one in four) an unusable reply."""
+    if messages[0].content.startswith("You reword"):
+        question = messages[-1].content.rsplit("Question: ", 1)[1]
+        return "{}" if slot % 4 == 0 else f"{PARAPHRASE_PREFIX} {question}"
+    return PROPOSALS.get(slot, "{}")
+
+
 def controller():
-    return ScriptedController(script=lambda messages, slot: PROPOSALS.get(slot, "{}"))
+    return ScriptedController(script=scripted_controller_reply)
+
+
+def proposal_prompts(ctl):
+    return [m for m in ctl.seen if not m[0].content.startswith("You reword")]
 
 
 def config(out, dump, **kw):
@@ -157,7 +172,7 @@ def test_unusable_proposals_are_recorded_and_the_search_goes_on(run):
     assert result.record("r2.p0").outcome == "feasible"
     assert "duplicate of r2.p0" in result.record("r2.p1").reasons[0]
     assert any(r.candidate.origin.value == "mutation" and r.candidate.round > 0 for r in result.candidates)
-    assert len(ctl.seen) == 4
+    assert len(proposal_prompts(ctl)) == 4
 
 
 def test_no_request_carries_another_question_s_gold(run, data):
@@ -177,6 +192,19 @@ def test_no_request_carries_another_question_s_gold(run, data):
             assert request.stage in gold_aware and question_of[c] in text, (request.stage, c)
     assert seen > 0  # gold-aware stages did see their own gold
     assert not any(c in m.content for prompt in ctl.seen for m in prompt for c in canaries)
+
+
+def test_the_controller_paraphrases_the_questions_of_the_paraphrase_check(run):
+    out, _, oracle, ctl = run
+    logged = EventLog(out / "events.jsonl").of(QuestionsParaphrased)
+    assert logged and all(e.controller == ctl.controller_id for e in logged)
+    written = {qid: text for e in logged for qid, text in e.paraphrases}
+    fallbacks = {qid for e in logged for qid in e.fallbacks}
+    assert written and fallbacks and not set(written) & fallbacks  # unusable replies fall back, counted
+    asked = [m[-1].content for m in ctl.seen if m[0].content.startswith("You reword")]
+    assert len(asked) == len(written) + len(fallbacks)  # once per question, replayed afterwards
+    sent = "\n".join(m.content for r, _ in oracle.log for m in r.messages)
+    assert all(text in sent for text in written.values())
 
 
 def test_gates_reject_an_unstable_candidate(run):
@@ -297,7 +325,9 @@ def test_proposal_contract_with_a_real_http_controller(data, tmp_path):
                json.dumps(leaky), json.dumps(invalid),
                json.dumps(valid)[:80]]  # cut at the token budget
     oracle = Oracle(planted)
-    spec = spec_from_mapping({**SPEC, "search": {"rounds": 1, "proposals_per_round": 5, "mutations_per_round": 0,
+    stability = {**SPEC["stability"], "paraphrased_question": {"enabled": False}}  # proposals only, in order
+    spec = spec_from_mapping({**SPEC, "stability": stability,
+                              "search": {"rounds": 1, "proposals_per_round": 5, "mutations_per_round": 0,
                                                  "mutations": ["binary-status"], "max_candidates": 20}})
     with ReplayChatServer(*replies) as server:
         controller = ControllerConfig(kind="http", http=HttpBackendConfig(base_url=server.base_url, model="replay"))

@@ -12,7 +12,7 @@
 - `controller`: the controller LLM and the gold-free view of failures it is shown;
 - `measure`: judging a candidate under each condition with the teacher machinery, and its metrics;
 - `stats`: Wilson and bootstrap lower bounds, Fleiss' kappa; `gates`: gates, acceptance and selection;
-- the run's stages: `propose` (with `feedback`), `evaluate` (gate by gate on validation), `selection`,
+- the run's stages: `propose` (with `feedback`), `paraphrase` (the controller's paraphrases), `evaluate` (gate by gate on validation), `selection`,
   `sealed` (the sealed test, with `confirm`: the freeze rule), `freeze`;
 - `events`: the append-only event log that makes a run resumable; `pipeline`: the run as the sequence of
   those stages; `report`: its result and the Markdown report.

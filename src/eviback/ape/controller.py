@@ -140,6 +140,30 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary, failures:
     return (ChatMessage("system", SYSTEM), ChatMessage("user", "\n".join(lines)))
 
 
+PARAPHRASE_SLOT = 1_000_000  # paraphrase requests use slots from here (proposal slots are round * 100 + p)
+
+
+def paraphrase_messages(question: str) -> tuple[ChatMessage, ...]:
+    """The controller's prompt for one paraphrase: the question alone (never its answers)."""
+    return (ChatMessage("system", "You reword questions. You reply with the reworded question only."),
+            ChatMessage("user", "Reword this question with different words and the same meaning. Add no "
+                                "information and do not answer it.\nQuestion: " + question))
+
+
+def paraphrase_of(reply: str, question: str) -> str | None:
+    """The paraphrase in a controller reply, or None when it is unusable (empty, JSON, the question itself,
+    not a single line of reasonable length)."""
+    lines = [x.strip() for x in reply.strip().splitlines() if x.strip()]
+    if not lines:
+        return None
+    text = lines[0].removeprefix("Question:").strip().strip('"').strip()
+    if not text or "{" in text or len(text.split()) < 3 or len(text) > 3 * len(question) + 40:
+        return None
+    if " ".join(text.lower().split()).rstrip("?") == " ".join(question.lower().split()).rstrip("?"):
+        return None
+    return text
+
+
 class Controller(Protocol):
     """Proposes workflows. Contract: `propose` returns the raw reply text for one proposal slot, or raises
     :class:`~eviback.teacher.chat.TeacherCallError`; the same (messages, slot) gives the same text."""

@@ -121,6 +121,13 @@ class TestConfirmation:
 
 
 @dataclass(frozen=True)
+class QuestionsParaphrased:
+    controller: str
+    paraphrases: tuple[tuple[str, str], ...]  # (question id, the controller's paraphrase)
+    fallbacks: tuple[str, ...]  # question ids whose reply was unusable: the rule-based rewording is used
+
+
+@dataclass(frozen=True)
 class PolicyFrozen:
     path: str
     version: str
@@ -133,14 +140,15 @@ class RunFinished:
 
 Event = (RunStarted | CandidateProposed | ProposalRejected | ConditionJudged | CandidateRejected | FeedbackScored
          | CandidateEvaluated | RoundStarted | RoundFinished | Selected | UnsealedTest | EvaluatedOnTest | TestConfirmation
-         | PolicyFrozen | RunFinished)
+         | QuestionsParaphrased | PolicyFrozen | RunFinished)
 
 KINDS: dict[str, type] = {
     "run_started": RunStarted, "candidate_proposed": CandidateProposed, "proposal_rejected": ProposalRejected,
     "condition_judged": ConditionJudged, "candidate_rejected": CandidateRejected,
     "feedback_scored": FeedbackScored, "candidate_evaluated": CandidateEvaluated,
     "round_started": RoundStarted, "round_finished": RoundFinished, "selected": Selected, "test_unsealed": UnsealedTest,
-    "test_evaluated": EvaluatedOnTest, "test_confirmation": TestConfirmation, "policy_frozen": PolicyFrozen, "run_finished": RunFinished,
+    "test_evaluated": EvaluatedOnTest, "test_confirmation": TestConfirmation,
+    "questions_paraphrased": QuestionsParaphrased, "policy_frozen": PolicyFrozen, "run_finished": RunFinished,
 }
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
 

@@ -47,6 +47,7 @@ from eviback.ape.events import (
     FeedbackScored,
     PolicyFrozen,
     ProposalRejected,
+    QuestionsParaphrased,
     RoundFinished,
     RoundStarted,
     RunFinished,
@@ -66,6 +67,7 @@ from eviback.ape.measure import (
     JudgeBackend,
     compute_metrics,
 )
+from eviback.ape.paraphrase import paraphrase_questions
 from eviback.ape.propose import controller_round, round_zero
 from eviback.ape.report import ApeResult, CandidateRecord, ProposalCounts, TestComparison, write_outputs
 from eviback.ape.rollouts import Rollout, RolloutSplits, Split, load_paraphrases, subset
@@ -99,6 +101,7 @@ class ApeRun:
         self.acceptance = acceptance(spec.search.acceptance)
         self.selector = SELECTION["best-feasible"]
         self.paraphrases = load_paraphrases(spec.data.paraphrases) if spec.data.paraphrases else {}
+        self.paraphrase_fallbacks: set[str] = set()  # questions the controller could not paraphrase
         self.log = EventLog(self.out / "events.jsonl")
         # state rebuilt from the log
         self.candidates: dict[str, Candidate] = {}
@@ -142,6 +145,10 @@ class ApeRun:
             self.tests[event.candidate_id] = event
         elif isinstance(event, TestConfirmation):
             self.confirmation = event.confirmation
+        elif isinstance(event, QuestionsParaphrased):
+            for qid, text in event.paraphrases:
+                self.paraphrases.setdefault(qid, text)  # a given paraphrase (data.paraphrases) wins
+            self.paraphrase_fallbacks.update(event.fallbacks)
         elif isinstance(event, PolicyFrozen):
             self.frozen = event
 
@@ -265,6 +272,8 @@ class ApeRun:
         condition = STABILITY_CONDITIONS[check]
         if condition is Condition.SAMPLE:
             return [self.judged(target, split, sub, condition, k) for k in range(1, self.spec.stability.samples)]
+        if condition is Condition.PARAPHRASED:
+            paraphrase_questions(self, sub)  # the controller's paraphrases, where one is available
         return [self.judged(target, split, sub, condition)]
 
     def metrics(self, policy: TeacherPolicy, cid: str, split: Split) -> CandidateMetrics:
