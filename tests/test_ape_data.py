@@ -164,3 +164,25 @@ def test_all_zero_filter(probes):
     other = probes[1].trajectory
     assert other.question.id != t.question.id
     assert keep_all_zero([t, hit, other]) == [other]  # t's group has a verified hit: not an all-zero group
+
+
+def test_all_zero_groups_first_then_others_to_balance_the_labels(probes):
+    from collections import Counter
+
+    from eviback.ape.data import all_zero_first_balanced
+
+    ts = [p.trajectory for p in probes]
+    # the first 40 questions get a verified hit: not all-zero groups; the others stay all-zero
+    hits = [dataclasses.replace(t, answer=t.question.golden_answers[0], sample_index=9) for t in ts[:40]]
+    chosen = all_zero_first_balanced(ts + hits, "salt")
+    zero = keep_all_zero(ts + hits)
+    assert all(t in chosen for t in zero)  # every all-zero rollout is kept
+    extra = [t for t in chosen if t not in zero]
+    counts = Counter(trajectory_label(t) for t in chosen)
+    zero_counts = Counter(trajectory_label(t) for t in zero)
+    rarer = min((Status.SUFFICIENT, Status.INSUFFICIENT), key=lambda s: zero_counts[s])
+    assert extra and all(trajectory_label(t) is rarer for t in extra)  # only the rarer label is added
+    assert abs(counts[Status.SUFFICIENT] - counts[Status.INSUFFICIENT]) <= abs(
+        zero_counts[Status.SUFFICIENT] - zero_counts[Status.INSUFFICIENT])
+    assert all_zero_first_balanced(ts + hits, "salt") == chosen  # deterministic
+    assert set(map(id, all_zero_first_balanced(list(reversed(ts + hits)), "salt"))) >= set(map(id, extra))

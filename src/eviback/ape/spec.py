@@ -186,6 +186,9 @@ class DataSplit:
                                    "controller", default=24)
     all_zero_only: bool = _help("keep only rollouts of questions none of whose rollouts in the dumps is a "
                                 "verified hit (EM 1): the all-zero groups the teacher is for", default=False)
+    balance_labels: bool = _help("unless all_zero_only: keep every rollout of the all-zero groups, then add "
+                                 "rollouts of other questions (in a fixed hashed order) only while their "
+                                 "evidence label (S or I) is the rarer one so far", default=True)
     paraphrases: str = _help("optional JSONL of {id, paraphrase} question rewordings for the paraphrase check; "
                              "questions without one get a rule-based rewording", default="")
 
