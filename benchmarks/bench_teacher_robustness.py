@@ -2,7 +2,7 @@
 
     python benchmarks/bench_teacher_robustness.py [--rollouts 24] [--concurrency 8] [--out FILE.json]
 
-A real OpenAI-compatible HTTP server on 127.0.0.1 (eviback.teacher.fakes.FaultyChatServer) answers every
+A real OpenAI-compatible HTTP server on 127.0.0.1 (the test suite's FaultyChatServer, tests/teacher_fakes.py) answers every
 chat call with one fault; the two-stage policy judges real-data probe rollouts through the HTTP client with
 the judge's retries (3 attempts, 0.2 s backoff doubling) and a 1 s call timeout. For each fault it reports
 whether the run finished, how many verdicts are teacher_error, the calls/retries made, and the wall time.
@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from eviback.teacher.fakes import Fault, FaultyChatServer
-from eviback.teacher.judge import JudgeConfig, RetryConfig, Teacher
-from eviback.teacher.openai_http import HttpBackendConfig, OpenAIChatClient
-from eviback.teacher.policy import load_policy
-from eviback.teacher.probes import build_probes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the faulty server is a test double
+
+from eviback.teacher.judge import JudgeConfig, RetryConfig, Teacher  # noqa: E402
+from eviback.teacher.openai_http import HttpBackendConfig, OpenAIChatClient  # noqa: E402
+from eviback.teacher.policy import load_policy  # noqa: E402
+from eviback.teacher.probes import build_probes  # noqa: E402
+from teacher_fakes import Fault, FaultyChatServer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,7 +111,7 @@ def test_what_the_controller_is_shown_never_contains_gold():
 def test_a_skeleton_controller_fills_one_string_and_caches_the_reply():
     from eviback.ape.controller import ChatController, ControllerSettings
     from eviback.teacher.cache import MemoryCache
-    from eviback.teacher.fakes import ScriptedClient
+    from teacher_fakes import ScriptedClient
 
     client = ScriptedClient(lambda request: "Judge only whether a passage states the answer.")
     controller = ChatController(client, ControllerSettings(skeletons=True), MemoryCache())
@@ -124,3 +124,14 @@ def test_a_skeleton_controller_fills_one_string_and_caches_the_reply():
     assert other.stages[0].user_template.startswith("Question: $question\n\nRetrieved passages:\n$evidence\n\n")
     assert static_rejections(other, max_stages=2) == ()
     assert controller.propose(messages, slot=0) == reply and controller.calls == 2  # cached, not asked again
+
+
+def test_a_controller_paraphrase_is_used_only_when_usable():
+    from eviback.ape.controller import paraphrase_messages, paraphrase_of
+
+    q = "Who wrote the novel Dracula?"
+    assert paraphrase_of("Which author is the novel Dracula by?\n(extra)", q) == "Which author is the novel Dracula by?"
+    assert paraphrase_of('Question: "Which writer created Dracula?"', q) == "Which writer created Dracula?"
+    for unusable in ("", "{}", '{"q": "x y z"}', "who wrote the novel   Dracula", "Bram", "x " * 200):
+        assert paraphrase_of(unusable, q) is None, unusable
+    assert q in paraphrase_messages(q)[-1].content

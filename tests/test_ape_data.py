@@ -1,4 +1,6 @@
-"""E2E-APE data: the deterministic, disjoint split by question; the sealed test split; labels; perturbations."""
+"""E2E-APE data: the actor's rollouts on training questions only (evaluation questions refused), labelled by
+the evidence labeller, never carrying another question's gold; the deterministic, disjoint split by question;
+the sealed test split; perturbations."""
 
 import dataclasses
 import json
@@ -6,11 +8,14 @@ import random
 
 import pytest
 
+from eviback.ape.config import ApeConfig
+from eviback.ape.data import load_data, refuse_eval_questions
 from eviback.ape.rollouts import (
     SealedError,
     SealedSplit,
     Split,
     as_rollouts,
+    evidence_label,
     keep_all_zero,
     paraphrase_question,
     read_dump,
@@ -21,23 +26,55 @@ from eviback.ape.rollouts import (
     subset,
     sufficiency_label,
 )
+from eviback.ape.spec import ConstraintSpec, spec_from_mapping
 from eviback.data import write_jsonl
+from eviback.teacher.labels import trajectory_label
 from eviback.teacher.probes import build_probes
 from eviback.teacher.workflow import blind_view
-from eviback.types import to_dict
+from eviback.types import Status, to_dict
 
 
 @pytest.fixture(scope="module")
 def probes():
-    return build_probes(60, seed=5)
+    return build_probes(60, seed=5, source="train")
 
 
-def test_labels_follow_the_gold_passages(probes):
-    for p in probes:
-        assert sufficiency_label(p.trajectory) is p.evidence_sufficient
-    t = probes[0].trajectory
-    unlabelled = dataclasses.replace(t, question=dataclasses.replace(t.question, metadata={}))
-    assert sufficiency_label(unlabelled) is None
+def test_labels_are_the_evidence_labeller_s(probes):
+    rollouts, _ = as_rollouts([p.trajectory for p in probes])
+    for r in rollouts:
+        label = trajectory_label(r.trajectory)
+        assert r.label is label and evidence_label(r.trajectory) is label
+        assert r.sufficient is {Status.SUFFICIENT: True, Status.INSUFFICIENT: False}.get(label)
+        assert sufficiency_label(r.trajectory) is r.sufficient
+    assert {r.label for r in rollouts} >= {Status.SUFFICIENT, Status.INSUFFICIENT}
+
+
+def test_evaluation_questions_are_refused(tmp_path, probes):
+    train = tmp_path / "train.jsonl"
+    write_jsonl(train, (to_dict(p.trajectory) for p in probes))
+    splits, inputs, _ = load_data(ApeConfig(out=str(tmp_path / "run"), dumps=(str(train),)),
+                                  spec_from_mapping({"objective": {"min_labelled": 1}}))
+    assert splits.infos()[0].rollouts > 0 and inputs[0].startswith(f"dump {train}")
+    benchmark = build_probes(6, seed=1)  # the evaluation files' questions
+    evals = tmp_path / "eval.jsonl"
+    write_jsonl(evals, (to_dict(p.trajectory) for p in [*(p for p in probes), *benchmark]))
+    with pytest.raises(ValueError, match="evaluation questions of the data suite"):
+        load_data(ApeConfig(out=str(tmp_path / "run2"), dumps=(str(evals),)), ConstraintSpec())
+    # a reworded id does not hide an evaluation question: its text is matched too
+    t = benchmark[0].trajectory
+    renamed = dataclasses.replace(t, question=dataclasses.replace(t.question, id="renamed-1"))
+    with pytest.raises(ValueError, match="training questions only"):
+        refuse_eval_questions([renamed], None)
+
+
+def test_no_probe_carries_another_question_s_gold(probes):
+    for source in ("train", "eval"):
+        built = probes if source == "train" else build_probes(60, seed=5)
+        golds = {p.trajectory.question.id: set(p.trajectory.question.golden_answers) for p in built}
+        for p in built:
+            others = set().union(*(g for qid, g in golds.items() if qid != p.trajectory.question.id))
+            others -= set(p.trajectory.question.golden_answers)
+            assert p.trajectory.answer is None or p.trajectory.answer not in others
 
 
 def test_split_is_deterministic_disjoint_and_order_independent(probes):
@@ -115,6 +152,10 @@ def test_read_dump_formats(tmp_path, probes):
     assert read_dump(tmp_path / "bare.jsonl") == ts == read_dump(tmp_path / "eval.jsonl")
     groups = read_dump(tmp_path / "groups.jsonl")
     assert len(groups) == 4 and as_rollouts(groups)[1] == 2  # exact duplicates dropped, and counted
+    # a training run's rollout dump: gzip, group records with a `rollouts` list
+    write_jsonl(tmp_path / "step-3.jsonl.gz", ({"question_id": t.question.id, "step": 3, "rollouts": [to_dict(t)]}
+                                               for t in ts))
+    assert read_dump(tmp_path / "step-3.jsonl.gz") == ts
 
 
 def test_all_zero_filter(probes):
@@ -123,3 +164,25 @@ def test_all_zero_filter(probes):
     other = probes[1].trajectory
     assert other.question.id != t.question.id
     assert keep_all_zero([t, hit, other]) == [other]  # t's group has a verified hit: not an all-zero group
+
+
+def test_all_zero_groups_first_then_others_to_balance_the_labels(probes):
+    from collections import Counter
+
+    from eviback.ape.data import all_zero_first_balanced
+
+    ts = [p.trajectory for p in probes]
+    # the first 40 questions get a verified hit: not all-zero groups; the others stay all-zero
+    hits = [dataclasses.replace(t, answer=t.question.golden_answers[0], sample_index=9) for t in ts[:40]]
+    chosen = all_zero_first_balanced(ts + hits, "salt")
+    zero = keep_all_zero(ts + hits)
+    assert all(t in chosen for t in zero)  # every all-zero rollout is kept
+    extra = [t for t in chosen if t not in zero]
+    counts = Counter(trajectory_label(t) for t in chosen)
+    zero_counts = Counter(trajectory_label(t) for t in zero)
+    rarer = min((Status.SUFFICIENT, Status.INSUFFICIENT), key=lambda s: zero_counts[s])
+    assert extra and all(trajectory_label(t) is rarer for t in extra)  # only the rarer label is added
+    assert abs(counts[Status.SUFFICIENT] - counts[Status.INSUFFICIENT]) <= abs(
+        zero_counts[Status.SUFFICIENT] - zero_counts[Status.INSUFFICIENT])
+    assert all_zero_first_balanced(ts + hits, "salt") == chosen  # deterministic
+    assert set(map(id, all_zero_first_balanced(list(reversed(ts + hits)), "salt"))) >= set(map(id, extra))

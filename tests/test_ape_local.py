@@ -1,5 +1,6 @@
-"""A real E2E-APE run on the bundled SmolLM2 (teacher and controller in process) over a small probe dump, through
-the command line; the frozen winner then judges rollouts in `eviback judge`. The budget is tiny (a handful of
+"""A real E2E-APE run on the bundled SmolLM2 (teacher and controller in process) over a small dump of rollouts on
+training questions, through the command line; the sealed test decides whether the winner is frozen, and a
+frozen winner then judges rollouts in `eviback judge`. The budget is tiny (a handful of
 rollouts, two candidates, loose thresholds): this checks the path a user runs, not the teacher's quality."""
 
 import json
@@ -43,10 +44,14 @@ def test_a_real_run_freezes_a_policy_that_eviback_judge_loads(tmp_path, capsys):
     try:
         (tmp_path / "spec.yaml").write_text(SPEC)
         out = tmp_path / "run"
-        args = ["ape", "--probes", "10", "--out", str(out), "--spec", str(tmp_path / "spec.yaml"),
+        rollouts = tmp_path / "rollouts.jsonl.gz"
+        write_jsonl(rollouts, (to_dict(p.trajectory) for p in build_probes(10, source="train")))
+        args = ["ape", str(rollouts), "--out", str(out), "--spec", str(tmp_path / "spec.yaml"),
                 "--backend", "local", "--controller", "local", "--threads", "1", "--concurrency", "1"]
-        assert main(args) == 0
+        code = main(args)
         result = json.loads((out / "result.json").read_text())
+        confirmation = result["confirmation"]
+        assert code == (0 if confirmation["confirmed"] else 1)
         winner = result["selection"]["winner"]
         assert winner and result["test"]["winner"] == winner
         assert {c["candidate"]["id"] for c in result["candidates"]} >= {"s0", "s1"}
@@ -56,7 +61,13 @@ def test_a_real_run_freezes_a_policy_that_eviback_judge_loads(tmp_path, capsys):
         baseline = result["test"]["baseline_metrics"]["boundary"]
         assert baseline["gold_leaks"] == baseline["audited_requests"] > 0  # canaries caught the manual policy
         assert result["test"]["winner_metrics"]["boundary"]["gold_leaks"] == 0
-        assert "## Sealed test" in (out / "report.md").read_text()
+        report = (out / "report.md").read_text()
+        assert "## Sealed test" in report and "Freeze rule `lower-bound-above-baseline`" in report
+        if not confirmation["confirmed"]:  # the sealed test did not confirm the winner: nothing is frozen
+            assert confirmation["reasons"] and not (out / "teacher.json").exists()
+            assert "Nothing frozen: the sealed test did not confirm" in report
+            assert main(args) == 1 and json.loads((out / "result.json").read_text()) == result  # replayed
+            return
         artifact = read_artifact(out / "teacher.json")
         assert artifact.version == result["frozen_version"] and artifact.provenance["gate_report"]
 

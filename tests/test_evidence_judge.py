@@ -16,10 +16,10 @@ from eviback.teacher.evidence_judge import (
     load_judge,
     open_classifier,
 )
-from eviback.teacher.fakes import Fault, FaultyChatServer
 from eviback.teacher.policy import CLASSIFIER_PREFIX, PolicyError, load_policy
 from eviback.teacher.probes import build_probes
 from eviback.types import Status, to_dict
+from teacher_fakes import Fault, FaultyChatServer
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,10 @@ import pytest
 
 from eviback.cli import main
 from eviback.data import write_jsonl
-from eviback.teacher.fakes import Fault, FaultyChatServer
 from eviback.teacher.policy import load_policy
 from eviback.teacher.probes import build_probes
 from eviback.types import Verdict, from_dict, to_dict
+from teacher_fakes import Fault, FaultyChatServer
 
 
 @pytest.fixture(scope="module")

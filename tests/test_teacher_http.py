@@ -4,11 +4,11 @@ import time
 
 import pytest
 
-from eviback.teacher.fakes import Fault, FaultyChatServer
 from eviback.teacher.judge import JudgeConfig, RetryConfig, Teacher
 from eviback.teacher.openai_http import HttpBackendConfig, OpenAIChatClient, StructuredOutput
 from eviback.teacher.policy import load_policy
 from eviback.teacher.probes import build_probes
+from teacher_fakes import Fault, FaultyChatServer
 
 TWO = load_policy("two-stage")
 RETRY = RetryConfig(max_attempts=2, backoff_s=0.05)

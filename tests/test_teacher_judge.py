@@ -7,11 +7,11 @@ import pytest
 
 from eviback.teacher.cache import MemoryCache, SqliteCache
 from eviback.teacher.chat import PermanentError, TransientError
-from eviback.teacher.fakes import ScriptedClient, default_reply
 from eviback.teacher.judge import JudgeConfig, RetryConfig, Teacher, summarize
 from eviback.teacher.policy import load_policy
 from eviback.teacher.probes import build_probes
 from eviback.types import Group, Status
+from teacher_fakes import ScriptedClient, default_reply
 
 TWO = load_policy("two-stage")
 NO_WAIT = JudgeConfig(concurrency=4, retry=RetryConfig(max_attempts=3, backoff_s=0.0))
@@ -176,8 +176,8 @@ def test_teacher_config_from_yaml_builds_an_http_teacher(tmp_path, rollouts):
     import yaml
 
     from eviback.teacher.config import TeacherConfig, build_teacher
-    from eviback.teacher.fakes import Fault, FaultyChatServer
     from eviback.types import from_dict
+    from teacher_fakes import Fault, FaultyChatServer
 
     with FaultyChatServer(Fault.OK) as server:
         text = f"""

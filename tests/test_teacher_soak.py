@@ -4,10 +4,10 @@ leave the number of open file descriptors, the cache's open connections and the 
 import os
 
 from eviback.teacher.cache import SqliteCache
-from eviback.teacher.fakes import ScriptedClient
 from eviback.teacher.judge import JudgeConfig, Teacher
 from eviback.teacher.policy import load_policy
 from eviback.teacher.probes import build_probes
+from teacher_fakes import ScriptedClient
 
 CONCURRENCY = 8
 

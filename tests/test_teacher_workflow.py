@@ -8,7 +8,6 @@ from eviback.protocol import render_observation
 from eviback.teacher.boundary import CanaryAudit, plant_canaries
 from eviback.teacher.cache import MemoryCache
 from eviback.teacher.chat import ReplySchema, SchemaViolation
-from eviback.teacher.fakes import ScriptedClient, default_reply
 from eviback.teacher.judge import JudgeConfig, Teacher
 from eviback.teacher.policy import OutputField, RewardWeights, load_policy
 from eviback.teacher.probes import build_probes
@@ -26,6 +25,7 @@ from eviback.teacher.workflow import (
     run_workflow,
 )
 from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
+from teacher_fakes import ScriptedClient, default_reply
 
 S, I, A = Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS  # noqa: E741 - the method's labels
 TWO = load_policy("two-stage")

@@ -1,18 +1,21 @@
 """E2E-APE: constraint-driven automatic construction of the teacher policy (EVIBACK.md section 5).
 
-    eviback ape DUMP.jsonl [--probes 300 --suite DATA] --out runs/ape [--spec my-spec.yaml]
+    eviback ape rollouts/step-*.jsonl.gz --out runs/ape [--spec my-spec.yaml]
 
 - `spec`: the constraint spec (hard gates, stability gates on confidence bounds, cost budget, objective,
   data split, search budget), a YAML file of values (`default.yaml`);
-- `rollouts`: dumps and probes in, sufficiency labels, the deterministic split by question with a sealed
-  test split, the perturbations of the stability checks;
+- `config`: the run's inputs and backends; `data`: the actor's rollouts on training questions (evaluation
+  questions refused), labelled by `eviback.teacher.labels`, split by question with a sealed test split;
+- `rollouts`: reading dumps, labels, the split, the perturbations of the stability checks;
 - `candidates`: the candidate record, systematic structural variants, controller proposals parsed into
   policies, the static checks that reject a candidate before any call;
 - `controller`: the controller LLM and the gold-free view of failures it is shown;
 - `measure`: judging a candidate under each condition with the teacher machinery, and its metrics;
 - `stats`: Wilson and bootstrap lower bounds, Fleiss' kappa; `gates`: gates, acceptance and selection;
-- `events`: the append-only event log that makes a run resumable; `pipeline`: the run; `report`: its result
-  and the Markdown report.
+- the run's stages: `propose` (with `feedback`), `paraphrase` (the controller's paraphrases), `evaluate` (gate by gate on validation), `selection`,
+  `sealed` (the sealed test, with `confirm`: the freeze rule), `freeze`;
+- `events`: the append-only event log that makes a run resumable; `pipeline`: the run as the sequence of
+  those stages; `report`: its result and the Markdown report.
 """
 
 from eviback.ape.candidates import (
@@ -23,10 +26,12 @@ from eviback.ape.candidates import (
     parse_proposal,
     static_rejections,
 )
-from eviback.ape.controller import ChatController, Controller, LocalChatClient, ScriptedController
+from eviback.ape.config import ApeConfig, ControllerConfig, ControllerKind
+from eviback.ape.confirm import Confirmation, confirm
+from eviback.ape.controller import ChatController, Controller, LocalChatClient
 from eviback.ape.gates import ACCEPTANCE, SELECTION, GateReport, GateResult, Selection
 from eviback.ape.measure import CandidateMetrics, Condition, RolloutOutcome
-from eviback.ape.pipeline import ApeConfig, ControllerConfig, ControllerKind, run_ape
+from eviback.ape.pipeline import run_ape
 from eviback.ape.report import ApeResult, render_markdown
 from eviback.ape.rollouts import SealedSplit, Split, split_rollouts, sufficiency_label
 from eviback.ape.spec import ConstraintSpec, SpecError, default_spec_text, load_spec
@@ -34,9 +39,9 @@ from eviback.ape.stats import bootstrap_lower_bound, fleiss_kappa, wilson_lower_
 
 __all__ = [
     "ACCEPTANCE", "MUTATIONS", "SELECTION", "ApeConfig", "ApeResult", "Candidate", "CandidateMetrics",
-    "ChatController", "Condition", "ConstraintSpec", "Controller", "ControllerConfig", "ControllerKind",
+    "ChatController", "Condition", "Confirmation", "ConstraintSpec", "Controller", "ControllerConfig", "ControllerKind",
     "GateReport", "GateResult", "LocalChatClient", "Origin", "RejectedProposal", "RolloutOutcome",
-    "ScriptedController", "SealedSplit", "Selection", "SpecError", "Split", "bootstrap_lower_bound",
-    "default_spec_text", "fleiss_kappa", "load_spec", "parse_proposal", "render_markdown", "run_ape",
+    "SealedSplit", "Selection", "SpecError", "Split", "bootstrap_lower_bound",
+    "confirm", "default_spec_text", "fleiss_kappa", "load_spec", "parse_proposal", "render_markdown", "run_ape",
     "split_rollouts", "static_rejections", "sufficiency_label", "wilson_lower_bound",
 ]

@@ -10,7 +10,6 @@ turns it into a policy or a recorded rejection.
 What the controller sees of the training failures is built from :func:`~eviback.teacher.workflow.blind_view`
 only (question text, retrieved passages, the actor's answer), plus the judge's status and the sufficiency
 label: never the gold answers, so a proposal can never be tuned on them for Stage A.
-:class:`ScriptedController` replays fixed replies for tests.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import dataclasses
 import json
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,9 +77,31 @@ def _workflow_json(policy: TeacherPolicy) -> str:
     return json.dumps({"stages": stages}, indent=1, ensure_ascii=False)
 
 
-def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
-                        failures: Sequence[FailureExample]) -> tuple[ChatMessage, ...]:
-    """The controller's prompt: the parent workflow, its results, a few gold-free failures, the rules."""
+def _full_workflow_json(policy: TeacherPolicy) -> str:
+    """The whole workflow IR: every stage (what it sees, prompts, output schema, labels, gate, decoding) and
+    the reward weights."""
+    d = to_dict(policy)
+    stages = [{k: v for k, v in st.items() if k != "backend" or v} for st in d["stages"]]
+    return json.dumps({"name": d["name"], "stages": stages, "weights": d["weights"]}, indent=1, ensure_ascii=False)
+
+
+WORKFLOW_RULES = (
+    "A workflow is a list of stages run in order. Each stage: name; sees (a subset of question, evidence, answer, "
+    "gold); system_prompt and user_template (templates using $question, $evidence, $answer, $gold, only for "
+    "inputs the stage sees; write a literal dollar sign as $$); outputs (a subset of status, answer, rationale); "
+    "statuses (the labels S, A, I it may give); run_on (the first stage: []; a later stage runs only on the "
+    "statuses listed, never on I: an I verdict is final); decoding (temperature, top_p, max_tokens, seed). The "
+    "first stage decides the status: it must never see gold and its user_template must contain $question and "
+    "$evidence. weights: the reward per status (insufficient must stay 0).")
+
+
+def controller_messages(parent: TeacherPolicy, summary: ParentSummary, failures: Sequence[FailureExample], *,
+                        whole_workflow: bool = False) -> tuple[ChatMessage, ...]:
+    """The controller's prompt: the parent workflow, its results, a few gold-free failures, the rules.
+
+    `whole_workflow` (a capable controller): it is shown the whole workflow IR and asked for a complete
+    candidate (stages, what each sees, instructions, output schema, decoding, gating rule, reward weights);
+    otherwise (a small model filling a skeleton) it is shown the prompts and asked for a patch of Stage A."""
     status = ", ".join(f"{k}={v}" for k, v in summary.status_counts)
     agreement = "n/a" if summary.balanced_agreement is None else f"{summary.balanced_agreement:.2f}"
     lines = [
@@ -88,7 +109,7 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
         "are enough to answer the question: S (sufficient), A (ambiguous) or I (insufficient).",
         "",
         "Its current workflow (JSON):",
-        _workflow_json(parent),
+        _full_workflow_json(parent) if whole_workflow else _workflow_json(parent),
         "",
         f"On {summary.rollouts} training rollouts its verdicts were {status}. Agreement with the true "
         f"sufficiency (balanced, 0.5 = chance): {agreement}. It said S on {summary.said_s_on_insufficient} "
@@ -100,6 +121,12 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
         for i, f in enumerate(failures, start=1):
             lines += [f"{i}. Question: {f.question}", f"   Passages: {f.evidence}", f"   Agent's answer: {f.answer}",
                       f"   The judge said {f.said.value}; correct: {f.expected.value}."]
+    if whole_workflow:
+        lines += ["", WORKFLOW_RULES,
+                  "Propose a complete new workflow that makes the judge say S exactly when the passages state the "
+                  "answer. Reply with one JSON object only, of the same form as the current workflow (name, "
+                  "stages, weights)."]
+        return (ChatMessage("system", SYSTEM), ChatMessage("user", "\n".join(lines)))
     lines += [
         "",
         "Rules: stage \"A\" decides the status; it must never see \"gold\" and its user_template must contain "
@@ -111,6 +138,30 @@ def controller_messages(parent: TeacherPolicy, summary: ParentSummary,
         + EXAMPLE_TEXTS[1] + '"}]}',
     ]
     return (ChatMessage("system", SYSTEM), ChatMessage("user", "\n".join(lines)))
+
+
+PARAPHRASE_SLOT = 1_000_000  # paraphrase requests use slots from here (proposal slots are round * 100 + p)
+
+
+def paraphrase_messages(question: str) -> tuple[ChatMessage, ...]:
+    """The controller's prompt for one paraphrase: the question alone (never its answers)."""
+    return (ChatMessage("system", "You reword questions. You reply with the reworded question only."),
+            ChatMessage("user", "Reword this question with different words and the same meaning. Add no "
+                                "information and do not answer it.\nQuestion: " + question))
+
+
+def paraphrase_of(reply: str, question: str) -> str | None:
+    """The paraphrase in a controller reply, or None when it is unusable (empty, JSON, the question itself,
+    not a single line of reasonable length)."""
+    lines = [x.strip() for x in reply.strip().splitlines() if x.strip()]
+    if not lines:
+        return None
+    text = lines[0].removeprefix("Question:").strip().strip('"').strip()
+    if not text or "{" in text or len(text.split()) < 3 or len(text) > 3 * len(question) + 40:
+        return None
+    if " ".join(text.lower().split()).rstrip("?") == " ".join(question.lower().split()).rstrip("?"):
+        return None
+    return text
 
 
 class Controller(Protocol):
@@ -195,34 +246,6 @@ class ChatController:
 
     def close(self) -> None:
         self.client.close()
-
-
-class ScriptedController:
-    """A controller with scripted replies, for tests only: `script(messages, slot)` if given, else the
-    `replies` in call order (the last one repeats). `seen` records every prompt it was shown."""
-
-    def __init__(self, *replies: str, script: Callable[[Sequence[ChatMessage], int], str] | None = None,
-                 controller_id: str = "scripted-controller") -> None:
-        self.replies = list(replies) or ["{}"]
-        self.script = script
-        self._id = controller_id
-        self.seen: list[tuple[ChatMessage, ...]] = []
-        self._lock = threading.Lock()
-
-    @property
-    def controller_id(self) -> str:
-        return self._id
-
-    def propose(self, messages: Sequence[ChatMessage], slot: int, stage: str = "A") -> ChatReply:
-        with self._lock:
-            self.seen.append(tuple(messages))
-            text = self.script(messages, slot) if self.script is not None else \
-                self.replies[min(len(self.seen) - 1, len(self.replies) - 1)]
-        return ChatReply(text=text, prompt_tokens=sum(len(m.content.split()) for m in messages),
-                         completion_tokens=len(text.split()))
-
-    def close(self) -> None:
-        pass
 
 
 class LocalChatClient:

@@ -2,7 +2,8 @@
 
 Every step that costs calls or makes a decision is logged once it is complete: a candidate proposed or a
 proposal rejected, a condition judged (with every rollout's outcome), a candidate rejected or evaluated, a
-round finished, the selection, the unsealing of the test split, the test evaluations, the freeze. A resumed
+round finished, the selection, the unsealing of the test split, the test evaluations, the sealed test's
+confirmation (or not) of the winner, the freeze. A resumed
 run replays the log and redoes only what is missing (the teacher's reply cache makes even a half-judged
 condition cheap to redo), so an interrupted run never repeats a paid call and ends with the same result.
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eviback.ape.candidates import Candidate, RejectedProposal
+from eviback.ape.confirm import Confirmation
 from eviback.ape.gates import GateReport, Phase, Selection
 from eviback.ape.measure import CandidateMetrics, ConditionResult
 from eviback.ape.rollouts import Split, SplitInfo
@@ -35,7 +37,7 @@ class RunIdentity:
     splits: tuple[SplitInfo, ...]
     teacher_backend: str
     controller: str  # the controller's id, or "none"
-    inputs: tuple[str, ...]  # the dumps (path and sha256) and probe settings, for the record
+    inputs: tuple[str, ...]  # the dumps (path and sha256), for the record
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,18 @@ class EvaluatedOnTest:
 
 
 @dataclass(frozen=True)
+class TestConfirmation:
+    confirmation: Confirmation
+
+
+@dataclass(frozen=True)
+class QuestionsParaphrased:
+    controller: str
+    paraphrases: tuple[tuple[str, str], ...]  # (question id, the controller's paraphrase)
+    fallbacks: tuple[str, ...]  # question ids whose reply was unusable: the rule-based rewording is used
+
+
+@dataclass(frozen=True)
 class PolicyFrozen:
     path: str
     version: str
@@ -125,14 +139,16 @@ class RunFinished:
 
 
 Event = (RunStarted | CandidateProposed | ProposalRejected | ConditionJudged | CandidateRejected | FeedbackScored
-         | CandidateEvaluated | RoundStarted | RoundFinished | Selected | UnsealedTest | EvaluatedOnTest | PolicyFrozen | RunFinished)
+         | CandidateEvaluated | RoundStarted | RoundFinished | Selected | UnsealedTest | EvaluatedOnTest | TestConfirmation
+         | QuestionsParaphrased | PolicyFrozen | RunFinished)
 
 KINDS: dict[str, type] = {
     "run_started": RunStarted, "candidate_proposed": CandidateProposed, "proposal_rejected": ProposalRejected,
     "condition_judged": ConditionJudged, "candidate_rejected": CandidateRejected,
     "feedback_scored": FeedbackScored, "candidate_evaluated": CandidateEvaluated,
     "round_started": RoundStarted, "round_finished": RoundFinished, "selected": Selected, "test_unsealed": UnsealedTest,
-    "test_evaluated": EvaluatedOnTest, "policy_frozen": PolicyFrozen, "run_finished": RunFinished,
+    "test_evaluated": EvaluatedOnTest, "test_confirmation": TestConfirmation,
+    "questions_paraphrased": QuestionsParaphrased, "policy_frozen": PolicyFrozen, "run_finished": RunFinished,
 }
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
 

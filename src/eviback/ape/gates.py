@@ -20,6 +20,9 @@ from typing import Protocol
 
 from eviback.ape.measure import CandidateMetrics, StabilityMetrics
 from eviback.ape.spec import ConstantTeacher, ConstraintSpec, StabilityCheck
+from eviback.teacher.policy import TeacherPolicy
+
+NOT_APPLICABLE = "not applicable"  # the value of a check that measures nothing for the policy
 
 
 class Phase(enum.StrEnum):
@@ -133,18 +136,37 @@ def stability_gate(check: str, s: StabilityMetrics | None, rule: StabilityCheck,
     return _gate(name, Phase.STABILITY, not reasons, value, threshold, "; ".join(reasons))
 
 
+def not_applicable(check: str, policy: TeacherPolicy) -> str | None:
+    """Why `check` cannot measure anything for `policy` (None: it can). Repeated sampling of a policy whose
+    every stage decodes greedily repeats one output: its agreement would be 1.00 by construction, not a
+    measurement, so the check is reported as not applicable instead."""
+    if check == "repeated_sampling" and all(s.decoding.temperature == 0 for s in policy.stages):
+        return "every stage decodes greedily (temperature 0): repeated samples are identical by construction"
+    return None
+
+
+def not_applicable_gate(check: str, why: str, rule: StabilityCheck) -> GateResult:
+    """A stability check that measures nothing for this policy: recorded, never counted as agreement 1.00."""
+    threshold = f"agreement LB >= {rule.min_agreement:g}" + (
+        f", kappa LB >= {rule.min_kappa:g}" if rule.min_kappa is not None else "")
+    return _gate(check.replace("_", " "), Phase.STABILITY, True, f"{NOT_APPLICABLE}: {why}", threshold, "")
+
+
 def _num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def full_report(m: CandidateMetrics, rejections: Sequence[str], spec: ConstraintSpec) -> GateReport:
+def full_report(m: CandidateMetrics, rejections: Sequence[str], spec: ConstraintSpec,
+                policy: TeacherPolicy) -> GateReport:
     """Every gate on every measured part (used for the sealed-test comparison, where nothing short-circuits)."""
     results = static_gates(rejections) + base_gates(m, spec)
     if m.boundary.gold_leaks is not None:
         results += canary_gates(m, spec)
     for check, rule in spec.stability.checks().items():
         if rule.enabled:
-            results.append(stability_gate(check, m.stability_of(check), rule, spec))
+            why = not_applicable(check, policy)
+            results.append(not_applicable_gate(check, why, rule) if why else
+                           stability_gate(check, m.stability_of(check), rule, spec))
     return GateReport(tuple(results))
 
 

@@ -1,62 +1,42 @@
-"""The E2E-APE run: data -> split -> candidates -> gates -> selection -> sealed test -> frozen teacher.
+"""The E2E-APE run: data -> propose -> evaluate -> select -> sealed test and confirm -> freeze -> report.
 
     from eviback.ape import ApeConfig, load_spec, run_ape
-    result = run_ape(ApeConfig(out="runs/ape", probes=300, suite="path/to/data"), load_spec())
+    result = run_ape(ApeConfig(out="runs/ape", dumps=("runs/x/rollouts/step-40.jsonl.gz",)), load_spec())
     result.frozen_path        # the winner as a frozen teacher policy (`eviback judge --policy`, train `teacher:`)
 
-Steps, each logged in ``<out>/events.jsonl`` once complete (a resumed run replays them and redoes only what
-is missing; teacher and controller replies are cached in ``<out>/cache.sqlite``, so nothing paid is paid
-twice):
+The run is a short sequence of named stages, each in its own module; every step is logged in
+``<out>/events.jsonl`` once complete (a resumed run replays them and redoes only what is missing; teacher and
+controller replies are cached in ``<out>/cache.sqlite``, so nothing paid is paid twice):
 
-1. rollouts (dumps and/or probes) are keyed, labelled and split by question into train / validation /
-   sealed test; the split hashes enter the run's identity (a log is only resumed by the same run);
-2. round 0: the seed policies and the systematic variants of the first boundary-compliant seed;
-   rounds 1..R: the controller proposes refinements of the current best candidate from its failures on
-   training rollouts (shown without gold), plus systematic variants of it;
-3. every candidate is checked statically (no call is spent on one that lets gold reach Stage A), then on the
-   validation split phase by phase (base verdicts: I overturned, schema, errors, cost; canary audit;
-   reordered evidence; paraphrased question; repeated sampling), stopping at its first failed gate;
-4. the best feasible candidate on the objective wins (ties to the cheaper); the test split is unsealed for
-   that selection only, and the winner and the manual single-prompt dual-task policy are measured on it;
-5. the winner is frozen with its gate report, metrics and split hashes; ``result.json`` and ``report.md``
-   are written.
+1. ``data``: the actor's rollouts on training questions (evaluation questions refused), labelled by
+   `eviback.teacher.labels`, split by question into train / validation / sealed test; the split hashes
+   enter the run's identity (a log is only resumed by the same run);
+2. ``propose``: round 0 (the seeds and the systematic variants of the first boundary-compliant seed), then
+   controller rounds refining the best candidate so far from its failures on training rollouts
+   (``feedback``, shown without gold); every reply is validated before any teacher call;
+3. ``evaluate``: static checks, then the validation split phase by phase (base verdicts, canary audit,
+   reordered evidence, paraphrased question, repeated sampling), stopping at the first failed gate;
+4. ``selection``: the best feasible candidate on the objective (ties to the cheaper), logged;
+5. ``sealed``: the test split opened once for that selection; the winner and the manual single-prompt
+   baseline measured on it; the spec's freeze rule applied (``confirm``);
+6. ``freeze``: a confirmed winner frozen with its provenance; else nothing is frozen, with the reasons;
+7. ``report``: ``result.json`` and ``report.md``.
+
+:class:`ApeRun` holds the run's state (rebuilt from its event log), its backends and the judging that every
+stage shares.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import hashlib
 import logging
-import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
-from eviback.ape.candidates import (
-    Candidate,
-    NotApplicable,
-    Origin,
-    ProposalError,
-    RejectedProposal,
-    apply_mutation,
-    mutation_names,
-    parse_proposal,
-    seed_policy,
-    static_rejections,
-    structure_key,
-)
-from eviback.ape.controller import (
-    EXAMPLE_TEXTS,
-    ChatController,
-    Controller,
-    ControllerSettings,
-    FailureExample,
-    LocalChatClient,
-    ParentSummary,
-    controller_messages,
-)
+from eviback.ape.candidates import Candidate, Origin, RejectedProposal
+from eviback.ape.config import ApeConfig, ControllerKind, Progress, stderr_progress
+from eviback.ape.confirm import Confirmation
+from eviback.ape.controller import ChatController, Controller, ControllerSettings, LocalChatClient
+from eviback.ape.data import load_data
 from eviback.ape.events import (
     CandidateEvaluated,
     CandidateProposed,
@@ -67,28 +47,18 @@ from eviback.ape.events import (
     FeedbackScored,
     PolicyFrozen,
     ProposalRejected,
+    QuestionsParaphrased,
     RoundFinished,
     RoundStarted,
     RunFinished,
     RunIdentity,
     RunStarted,
     Selected,
+    TestConfirmation,
     UnsealedTest,
 )
-from eviback.ape.gates import (
-    SELECTION,
-    GateReport,
-    Phase,
-    Scored,
-    Selection,
-    acceptance,
-    base_gates,
-    canary_gates,
-    full_report,
-    stability_floor,
-    stability_gate,
-    static_gates,
-)
+from eviback.ape.freeze import freeze
+from eviback.ape.gates import SELECTION, Phase, Selection, acceptance
 from eviback.ape.measure import (
     STABILITY_CONDITIONS,
     CandidateMetrics,
@@ -96,113 +66,19 @@ from eviback.ape.measure import (
     ConditionResult,
     JudgeBackend,
     compute_metrics,
-    sufficiency_metrics,
 )
-from eviback.ape.report import ApeResult, CandidateRecord, TestComparison, write_outputs
-from eviback.ape.rollouts import (
-    Rollout,
-    RolloutSplits,
-    Split,
-    as_rollouts,
-    keep_all_zero,
-    load_paraphrases,
-    probe_trajectories,
-    read_dump,
-    split_rollouts,
-    subset,
-)
-from eviback.ape.spec import ConstraintSpec, ObjectiveMetric, spec_yaml
-from eviback.data import file_sha256
-from eviback.teacher.chat import TeacherCallError, TeacherClient
-from eviback.teacher.config import Backend, TeacherConfig, open_cache
-from eviback.teacher.openai_http import HttpBackendConfig, StructuredOutput
-from eviback.teacher.policy import TeacherPolicy, freeze_policy, load_policy
-from eviback.teacher.workflow import blind_view
-from eviback.types import Status
+from eviback.ape.paraphrase import paraphrase_questions
+from eviback.ape.propose import controller_round, round_zero
+from eviback.ape.report import ApeResult, CandidateRecord, ProposalCounts, TestComparison, write_outputs
+from eviback.ape.rollouts import Rollout, RolloutSplits, Split, load_paraphrases, subset
+from eviback.ape.sealed import BASELINE, confirm_on_test, measure_on_test, test_rollouts
+from eviback.ape.selection import select
+from eviback.ape.spec import ConstraintSpec, spec_yaml
+from eviback.teacher.chat import TeacherClient
+from eviback.teacher.config import Backend, open_cache
+from eviback.teacher.policy import TeacherPolicy, load_policy
 
 log = logging.getLogger(__name__)
-
-BASELINE = "single-prompt-dual-task"  # the manual policy the winner is compared with on the sealed test
-BASELINE_ID = "baseline"  # its id when it is not one of the seeds
-
-
-class ControllerKind(enum.StrEnum):
-    LOCAL = "local"  # the local model, free-text generation
-    HTTP = "http"  # an OpenAI-compatible endpoint
-    NONE = "none"  # no controller: seeds and systematic variants only
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """The controller LLM."""
-
-    kind: ControllerKind = ControllerKind.LOCAL
-    http: HttpBackendConfig = field(default_factory=lambda: HttpBackendConfig(structured_output=StructuredOutput.NONE))
-    local_model: str = "smollm2-135m"  # a bundled name or a local HF checkpoint directory
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ControllerKind(self.kind))
-        if self.http.structured_output is not StructuredOutput.NONE:
-            # the controller writes free JSON: a stage reply schema would constrain it to nothing useful
-            object.__setattr__(self, "http", dataclasses.replace(self.http, structured_output=StructuredOutput.NONE))
-
-
-@dataclass(frozen=True)
-class ApeConfig:
-    """Where an E2E-APE run reads its rollouts, which backends it uses and where it writes."""
-
-    out: str  # the run directory (events, cache, report, frozen policy)
-    dumps: tuple[str, ...] = ()  # rollout dumps (eval items.jsonl, train groups.jsonl, bare trajectories)
-    probes: int = 0  # probe rollouts with known sufficiency to add, built from `suite`
-    suite: str | None = None  # data suite for the probes (default: the embedded one)
-    probe_datasets: tuple[str, ...] = ("nq", "popqa", "hotpotqa")
-    probe_seed: int = 0
-    teacher: TeacherConfig = field(default_factory=lambda: TeacherConfig(cache=""))  # `policy` is unused
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    cache: str = "cache.sqlite"  # reply cache, relative to `out` (or absolute); "" for none
-    frozen_name: str = "teacher.json"  # the frozen winner, relative to `out`
-
-    def __post_init__(self) -> None:
-        if not self.dumps and self.probes <= 0:
-            raise ValueError("no rollouts: give dumps (eval items.jsonl / train groups.jsonl) and/or --probes N")
-
-
-Progress = Callable[[str], None]
-
-
-def stderr_progress(message: str) -> None:
-    print(f"[ape {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-
-
-def load_data(config: ApeConfig, spec: ConstraintSpec) -> tuple[RolloutSplits, tuple[str, ...], int]:
-    """The split rollouts, a description of the inputs, and how many duplicates were dropped."""
-    trajectories = []
-    inputs = []
-    for path in config.dumps:
-        trajectories += read_dump(path)
-        inputs.append(f"dump {path} sha256:{file_sha256(path)[:16]}")
-    if config.probes > 0:
-        trajectories += probe_trajectories(config.probes, config.suite, config.probe_datasets, config.probe_seed)
-        inputs.append(f"probes n={config.probes} suite={config.suite or 'embedded'} "
-                      f"datasets={','.join(config.probe_datasets)} seed={config.probe_seed}")
-    if spec.data.all_zero_only:
-        trajectories = keep_all_zero(trajectories)
-    rollouts, duplicates = as_rollouts(trajectories)
-    splits = split_rollouts(rollouts, salt=spec.data.salt, train=spec.data.train, validation=spec.data.validation)
-    labelled = sum(r.sufficient is not None for r in splits.validation)
-    if labelled < spec.objective.min_labelled:
-        raise ValueError(
-            f"the validation split has {labelled} rollouts with a sufficiency label (questions with "
-            f"metadata.gold_passage_ids), fewer than objective.min_labelled={spec.objective.min_labelled}: add "
-            f"rollouts on nq_oracle / popqa / *_ctx questions, or probes (--probes N), or lower min_labelled")
-    if len(splits.test) == 0 or not splits.train:
-        raise ValueError(f"{len(rollouts)} rollouts leave an empty train or test split; add rollouts (more "
-                         f"questions) or change data.train/validation/test")
-    return splits, tuple(inputs), duplicates
 
 
 class ApeRun:
@@ -225,6 +101,7 @@ class ApeRun:
         self.acceptance = acceptance(spec.search.acceptance)
         self.selector = SELECTION["best-feasible"]
         self.paraphrases = load_paraphrases(spec.data.paraphrases) if spec.data.paraphrases else {}
+        self.paraphrase_fallbacks: set[str] = set()  # questions the controller could not paraphrase
         self.log = EventLog(self.out / "events.jsonl")
         # state rebuilt from the log
         self.candidates: dict[str, Candidate] = {}
@@ -238,6 +115,7 @@ class ApeRun:
         self.selected: tuple[int, Selection] | None = None
         self.unsealed: UnsealedTest | None = None
         self.frozen: PolicyFrozen | None = None
+        self.confirmation: Confirmation | None = None
         for logged in self.log.events:
             self._apply(logged.seq, logged.event)
 
@@ -265,10 +143,16 @@ class ApeRun:
             self.unsealed = event
         elif isinstance(event, EvaluatedOnTest):
             self.tests[event.candidate_id] = event
+        elif isinstance(event, TestConfirmation):
+            self.confirmation = event.confirmation
+        elif isinstance(event, QuestionsParaphrased):
+            for qid, text in event.paraphrases:
+                self.paraphrases.setdefault(qid, text)  # a given paraphrase (data.paraphrases) wins
+            self.paraphrase_fallbacks.update(event.fallbacks)
         elif isinstance(event, PolicyFrozen):
             self.frozen = event
 
-    def _emit(self, event: object) -> None:
+    def emit(self, event: object) -> None:
         logged = self.log.append(event)  # type: ignore[arg-type]
         self._apply(logged.seq, event)
 
@@ -366,7 +250,7 @@ class ApeRun:
             self.progress(f"resuming {self.out}: {len(self.log.events)} events, {len(self.candidates)} candidates")
             return
         (self.out / "spec.yaml").write_text(spec_yaml(self.spec), encoding="utf-8")
-        self._emit(RunStarted(identity))
+        self.emit(RunStarted(identity))
         infos = ", ".join(f"{i.name.value} {i.rollouts} rollouts / {i.questions} questions ({i.labelled} labelled)"
                           for i in identity.splits)
         self.progress(f"started {self.out}: {infos}")
@@ -379,332 +263,57 @@ class ApeRun:
         key = (cid, split, condition, sample)
         if key not in self.results:
             result = self.backend().judge_condition(cid, policy, split, rollouts, condition, sample, self.progress)
-            self._emit(ConditionJudged(result))
+            self.emit(ConditionJudged(result))
         return self.results[key]
 
-    def _conditions(self, target: Candidate | tuple[str, TeacherPolicy], split: Split, rollouts: Sequence[Rollout],
+    def conditions(self, target: Candidate | tuple[str, TeacherPolicy], split: Split, rollouts: Sequence[Rollout],
                     check: str) -> list[ConditionResult]:
         sub = subset(rollouts, self.spec.stability.rollouts, self.spec.data.salt)
         condition = STABILITY_CONDITIONS[check]
         if condition is Condition.SAMPLE:
             return [self.judged(target, split, sub, condition, k) for k in range(1, self.spec.stability.samples)]
+        if condition is Condition.PARAPHRASED:
+            paraphrase_questions(self, sub)  # the controller's paraphrases, where one is available
         return [self.judged(target, split, sub, condition)]
 
-    def _metrics(self, policy: TeacherPolicy, cid: str, split: Split) -> CandidateMetrics:
+    def metrics(self, policy: TeacherPolicy, cid: str, split: Split) -> CandidateMetrics:
         results = [r for (c, s, _, _), r in self.results.items() if c == cid and s == split]
-        labels = self.labels if split is not Split.TEST else {r.key: r.sufficient for r in self._test_rollouts()}
+        labels = self.labels if split is not Split.TEST else {r.key: r.sufficient for r in test_rollouts(self)}
         return compute_metrics(policy, split, results, labels, self.spec)
 
     # ---- evaluation of one candidate on the validation split, gate by gate
 
-    def evaluate(self, c: Candidate) -> None:
-        if c.id in self.decided:
-            return
-        reasons = list(static_rejections(c.policy, max_stages=self.spec.search.max_stages))
-        earlier = next((o for o in self.candidates.values() if o.id != c.id and o.structure == c.structure
-                        and self._order(o) < self._order(c)), None)
-        if earlier is not None:
-            reasons.append(f"duplicate of {earlier.id} (the same workflow)")
-        if reasons:
-            self.progress(f"{c.id} {c.policy.name}: rejected before any call: {'; '.join(reasons)}")
-            self._emit(CandidateRejected(c.id, Phase.STATIC, tuple(reasons), GateReport(tuple(static_gates(reasons)))))
-            return
-        if c.parent and c.round > 0 and self.acceptance.needs_feedback:
-            ok, why = self.acceptance.accept(self.feedback_score(c), self.feedback_score(self.candidates[c.parent]))
-            if not ok:
-                self.progress(f"{c.id}: not accepted: {why}")
-                self._emit(CandidateRejected(c.id, Phase.ACCEPTANCE, (why,), GateReport(())))
-                return
-        self.progress(f"{c.id} {c.policy.name}: evaluating on {len(self.splits.validation)} validation rollouts")
-        val = self.splits.validation
-        self.judged(c, Split.VALIDATION, val, Condition.BASE)
-        gates = static_gates(()) + base_gates(self._metrics(c.policy, c.id, Split.VALIDATION), self.spec)
-        if self._reject_if_failed(c, Phase.BASE, gates):
-            return
-        self.judged(c, Split.VALIDATION, self.stability_subset, Condition.CANARY)
-        gates += canary_gates(self._metrics(c.policy, c.id, Split.VALIDATION), self.spec)
-        if self._reject_if_failed(c, Phase.CANARY, gates):
-            return
-        # cheapest first: one extra verdict per rollout for a perturbation, samples-1 for repeated sampling
-        for check in ("reordered_evidence", "paraphrased_question", "repeated_sampling"):
-            rule = self.spec.stability.checks()[check]
-            if not rule.enabled:
-                continue
-            self._conditions(c, Split.VALIDATION, val, check)
-            metrics = self._metrics(c.policy, c.id, Split.VALIDATION)
-            gates.append(stability_gate(check, metrics.stability_of(check), rule, self.spec))
-            if self._reject_if_failed(c, Phase.STABILITY, gates):
-                return
-        metrics = self._metrics(c.policy, c.id, Split.VALIDATION)
-        objective = metrics.objective(self.spec.objective.metric)
-        self.progress(f"{c.id} {c.policy.name}: FEASIBLE, objective {objective if objective is None else round(objective, 4)}, "
-                      f"{metrics.cost.tokens_per_rollout:.0f} tokens/rollout")
-        self._emit(CandidateEvaluated(c.id, metrics, GateReport(tuple(gates))))
-
-    def _reject_if_failed(self, c: Candidate, phase: Phase, gates: list) -> bool:
-        report = GateReport(tuple(gates))
-        if report.passed:
-            return False
-        metrics = self._metrics(c.policy, c.id, Split.VALIDATION)
-        self.progress(f"{c.id} {c.policy.name}: rejected ({phase.value}): {'; '.join(report.reasons())}")
-        self._emit(CandidateRejected(c.id, phase, report.reasons(), report, metrics))
-        return True
-
-    def _order(self, c: Candidate) -> int:
+    def order(self, c: Candidate) -> int:
         return list(self.candidates).index(c.id)
 
     # ---- feedback on training rollouts (failures for the controller; acceptance)
 
-    def feedback_rollouts(self) -> tuple[Rollout, ...]:
-        labelled = [r for r in self.splits.train if r.sufficient is not None] or list(self.splits.train)
-        return subset(labelled, self.spec.data.feedback_rollouts, self.spec.data.salt + ":feedback")
-
-    def feedback_result(self, c: Candidate) -> ConditionResult:
-        result = self.judged(c, Split.TRAIN, self.feedback_rollouts(), Condition.BASE)
-        if c.id not in self.feedback:
-            s = sufficiency_metrics(result.outcomes, self.labels, self.spec.objective.ambiguous_credit)
-            balanced = self.spec.objective.metric is ObjectiveMetric.BALANCED_AGREEMENT
-            self._emit(FeedbackScored(c.id, s.balanced_agreement if balanced else s.agreement))
-        return result
-
-    def feedback_score(self, c: Candidate) -> float | None:
-        self.feedback_result(c)
-        return self.feedback[c.id].objective
-
-    def failures(self, c: Candidate, round_: int) -> tuple[ParentSummary, list[FailureExample]]:
-        result = self.feedback_result(c)
-        by_key = {r.key: r for r in self.splits.train}
-        wrong = []
-        for o in result.outcomes:
-            label = self.labels.get(o.key)
-            if o.status is None or label is None:
-                continue
-            if (o.status is Status.SUFFICIENT) != label or o.status is Status.AMBIGUOUS:
-                wrong.append(o)
-        # a different handful each round, deterministically
-        wrong.sort(key=lambda o: hashlib.sha256(f"{round_}:{o.key}".encode()).hexdigest())
-        examples = [FailureExample.of(blind_view(by_key[o.key].trajectory), o.status, bool(self.labels[o.key]))
-                    for o in wrong[: self.spec.search.failures_shown] if o.status is not None]
-        s = sufficiency_metrics(result.outcomes, self.labels, self.spec.objective.ambiguous_credit)
-        counts = {k: sum(o.status is not None and o.status.value == k for o in result.outcomes) for k in "SAI"}
-        summary = ParentSummary(
-            rollouts=len(result.outcomes), labelled=s.labelled, balanced_agreement=s.balanced_agreement,
-            said_s_on_insufficient=sum(o.status is Status.SUFFICIENT and self.labels.get(o.key) is False
-                                       for o in result.outcomes),
-            said_i_on_sufficient=sum(o.status is Status.INSUFFICIENT and self.labels.get(o.key) is True
-                                     for o in result.outcomes),
-            status_counts=tuple(counts.items()))
-        return summary, examples
-
     # ---- proposing
 
-    def propose(self, candidate: Candidate) -> Candidate | None:
-        """Log a new valid candidate (unless its slot is taken or the budget is spent)."""
-        if candidate.id in self.candidates or candidate.id in self.rejected:
-            return self.candidates.get(candidate.id)
-        if len(self.candidates) >= self.spec.search.max_candidates:
-            return None
-        self._emit(CandidateProposed(candidate))
-        return candidate
-
-    def reject_proposal(self, proposal: RejectedProposal) -> None:
-        if proposal.id not in self.rejected and proposal.id not in self.candidates:
-            self.progress(f"{proposal.id}: proposal rejected: {proposal.reason}")
-            self._emit(ProposalRejected(proposal))
-
-    def mutations_of(self, parent: Candidate, count: int, round_: int, prefix: str) -> list[Candidate]:
-        out: list[Candidate] = []
-        taken = {o.structure for o in self.candidates.values()}
-        index = 0
-        for name in mutation_names(self.spec.search.mutations):
-            if len(out) >= count:
-                break
-            slot = f"{prefix}m{index}"
-            if slot in self.candidates:
-                out.append(self.candidates[slot])
-                index += 1
-                continue
-            try:
-                policy = apply_mutation(name, parent.policy)
-            except NotApplicable:
-                continue
-            if structure_key(policy) in taken:
-                continue
-            candidate = self.propose(Candidate(slot, policy, Origin.MUTATION, parent.id, round_, name))
-            index += 1
-            if candidate is None:
-                break
-            out.append(candidate)
-        return out
-
-    def round_zero(self) -> None:
-        seeds = []
-        for i, ref in enumerate(self.spec.search.seeds):
-            c = self.propose(Candidate(f"s{i}", seed_policy(ref), Origin.SEED, "", 0, ref))
-            if c is not None:
-                seeds.append(c)
-        base = next((c for c in seeds if not c.policy.boundary_violations()), None)
-        if base is not None and 0 not in self.rounds:
-            self.mutations_of(base, len(mutation_names(self.spec.search.mutations)), 0, "")
-        for c in list(self.candidates.values()):
-            if c.round == 0:
-                self.evaluate(c)
-        if 0 not in self.rounds:
-            self._emit(RoundFinished(0, base.id if base is not None else ""))
-
-    def parent(self) -> Candidate | None:
-        """The best candidate so far: the selected feasible one; else the best objective among those with
-        base metrics; else the first compliant seed."""
-        selection = self.selector.select(self.scored(), self.spec)
-        if selection.winner is not None:
-            return self.candidates[selection.winner]
-        measured = [(d.metrics.objective(self.spec.objective.metric), -self._order(self.candidates[cid]), cid)
-                    for cid, d in self.decided.items() if d.metrics is not None
-                    and d.metrics.objective(self.spec.objective.metric) is not None]
-        if measured:
-            return self.candidates[max(measured)[2]]
-        return next((c for c in self.candidates.values() if not c.policy.boundary_violations()), None)
-
-    def controller_round(self, round_: int) -> None:
-        started = self.round_parents.get(round_)
-        parent = self.candidates[started] if started else self.parent()
-        if parent is None:
-            return
-        if not started:  # logged, so that a resumed round refines the same parent
-            self._emit(RoundStarted(round_, parent.id))
-        prefix = f"r{round_}."
-        self.progress(f"round {round_}: refining {parent.id} {parent.policy.name}")
-        controller = self.controller
-        if controller is not None and self.spec.search.proposals_per_round:
-            summary, failures = self.failures(parent, round_)
-            messages = controller_messages(parent.policy, summary, failures)
-            for p in range(self.spec.search.proposals_per_round):
-                slot = f"{prefix}p{p}"
-                if slot in self.candidates or slot in self.rejected:
-                    continue
-                if len(self.candidates) >= self.spec.search.max_candidates:
-                    break
-                self.progress(f"{slot}: asking the controller {controller.controller_id} for a proposal")
-                try:
-                    reply = controller.propose(messages, slot=round_ * 100 + p, stage=parent.policy.status_stage.name)
-                except TeacherCallError as e:
-                    self.reject_proposal(RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_,
-                                                          f"controller call failed: {e}"))
-                    continue
-                try:
-                    policy = parse_proposal(reply.text, parent.policy, f"{parent.policy.name}~{slot}")
-                    copied = [t for s in policy.stages for t in (s.system_prompt, s.user_template)
-                              if t.strip() in EXAMPLE_TEXTS]
-                    if copied:
-                        raise ProposalError(f"the reply copies the prompt's example ({copied[0]!r}) instead of "
-                                            f"proposing a workflow")
-                except ProposalError as e:
-                    self.reject_proposal(RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_, str(e),
-                                                          reply.text[:300]))
-                    continue
-                self.propose(Candidate(slot, policy, Origin.CONTROLLER, parent.id, round_, "controller proposal"))
-        self.mutations_of(parent, self.spec.search.mutations_per_round, round_, prefix)
-        for c in [c for c in self.candidates.values() if c.round == round_]:
-            self.evaluate(c)
-        self._emit(RoundFinished(round_, parent.id))
-
     # ---- selection, sealed test, freeze
-
-    def scored(self) -> list[Scored]:
-        out = []
-        for cid in self.candidates:
-            d = self.decided.get(cid)
-            if isinstance(d, CandidateEvaluated):
-                m = d.metrics
-                out.append(Scored(cid, True, m.objective(self.spec.objective.metric), m.cost.tokens_per_rollout,
-                                  m.cost.requests_per_rollout, stability_floor(m)))
-        return out
-
-    def select(self) -> tuple[int, Selection]:
-        if self.selected is None:
-            selection = self.selector.select(self.scored(), self.spec)
-            self._emit(Selected(selection))
-            self.progress(f"selected: {selection.winner or 'none'} ({selection.reason})")
-        assert self.selected is not None
-        return self.selected
-
-    def _test_rollouts(self) -> tuple[Rollout, ...]:
-        if self.selected is None:
-            raise RuntimeError("the sealed test split is read only after a selection")
-        return self.splits.test.unseal(f"selection@{self.selected[0]}")
-
-    def baseline(self) -> tuple[str, TeacherPolicy]:
-        policy = load_policy(BASELINE)
-        seed = next((c for c in self.candidates.values() if c.origin is Origin.SEED and
-                     c.structure == structure_key(policy)), None)
-        return (seed.id, seed.policy) if seed is not None else (BASELINE_ID, policy)
-
-    def test_evaluation(self, winner: Candidate) -> None:
-        seq, _ = self.selected  # type: ignore[misc]
-        base_id, base_policy = self.baseline()
-        targets: list[tuple[str, TeacherPolicy]] = [(winner.id, winner.policy), (base_id, base_policy)]
-        rollouts = self._test_rollouts()
-        if self.unsealed is None:
-            self._emit(UnsealedTest(seq, tuple(t[0] for t in targets)))
-            self.progress(f"sealed test split opened for selection {seq}: {len(rollouts)} rollouts")
-        for cid, policy in targets:
-            if cid in self.tests:
-                continue
-            self.judged((cid, policy), Split.TEST, rollouts, Condition.BASE)
-            self.judged((cid, policy), Split.TEST, subset(rollouts, self.spec.stability.rollouts, self.spec.data.salt),
-                        Condition.CANARY)
-            for check, rule in self.spec.stability.checks().items():
-                if rule.enabled:
-                    self._conditions((cid, policy), Split.TEST, rollouts, check)
-            metrics = self._metrics(policy, cid, Split.TEST)
-            rejections = static_rejections(policy, max_stages=self.spec.search.max_stages)
-            self._emit(EvaluatedOnTest(cid, Split.TEST, metrics, full_report(metrics, rejections, self.spec)))
-
-    def freeze(self, winner: Candidate) -> PolicyFrozen:
-        if self.frozen is None:
-            decided = self.decided[winner.id]
-            assert isinstance(decided, CandidateEvaluated)
-            test = self.tests.get(winner.id)
-            from eviback.types import to_dict
-
-            provenance = {
-                "method": "E2E-APE (EVIBACK.md section 5)",
-                "candidate": winner.id, "origin": winner.origin.value, "parent": winner.parent, "note": winner.note,
-                "spec_sha256": self.spec.sha256,
-                "splits": [to_dict(i) for i in self.splits.infos()],
-                "teacher_backend": self.teacher_backend_id(), "controller": self.controller_id(),
-                "gate_report": to_dict(decided.report),
-                "validation_metrics": to_dict(decided.metrics),
-                "sealed_test_metrics": to_dict(test.metrics) if test is not None else None,
-                "selection": to_dict(self.selected[1]) if self.selected else None,
-            }
-            path = freeze_policy(winner.policy, self.out / self.config.frozen_name, provenance)
-            self._emit(PolicyFrozen(str(path), winner.policy.version))
-            self.progress(f"froze {winner.policy.name} version {winner.policy.short_version} -> {path}")
-        assert self.frozen is not None
-        return self.frozen
 
     # ---- the whole run
 
     def run(self) -> ApeResult:
         self.start()
-        self.round_zero()
+        round_zero(self)
         for round_ in range(1, self.spec.search.rounds + 1):
             if round_ in self.rounds:
                 continue
             if len(self.candidates) >= self.spec.search.max_candidates:
                 self.progress(f"candidate budget reached ({self.spec.search.max_candidates}); no more rounds")
                 break
-            self.controller_round(round_)
-        _, selection = self.select()
+            controller_round(self, round_)
+        _, selection = select(self)
         if selection.winner is not None:
             winner = self.candidates[selection.winner]
-            self.test_evaluation(winner)
-            self.freeze(winner)
+            measure_on_test(self, winner)
+            if confirm_on_test(self, winner).confirmed:
+                freeze(self, winner)
         result = self.result()
         write_outputs(result, self.out)
         if not self.log.of(RunFinished):
-            self._emit(RunFinished(selection.winner))
+            self.emit(RunFinished(selection.winner))
         self.progress(f"report: {self.out / 'report.md'}")
         return result
 
@@ -731,9 +340,17 @@ class ApeRun:
                 test = TestComparison(selection.winner, self.candidates[selection.winner].policy.name, base_id,
                                       base_policy.name, w.metrics, b.metrics, w.report, b.report)
         calls = sum(o.calls for r in self.results.values() for o in r.outcomes)
+        proposed = [c for c in self.candidates.values() if c.origin is Origin.CONTROLLER]
+        static = [self.decided.get(c.id) for c in proposed]
+        static = [d for d in static if isinstance(d, CandidateRejected) and d.phase is Phase.STATIC]
+        leaky = sum(any(r.startswith("evidence boundary") for r in d.reasons) for d in static)
+        invalid = sum(p.origin is Origin.CONTROLLER for p in self.rejected.values())
+        proposals = ProposalCounts(received=len(proposed) + invalid, invalid=invalid, leaky=leaky,
+                                   other_static=len(static) - leaky, evaluated=len(proposed) - len(static))
         return ApeResult(
             identity=self.identity(), spec=self.spec, candidates=tuple(records),
             rejected_proposals=tuple(self.rejected.values()), selection=selection, test=test,
+            confirmation=self.confirmation, proposals=proposals,
             frozen_path=self.frozen.path if self.frozen else "", frozen_version=self.frozen.version if self.frozen else "",
             teacher_calls=calls)
 

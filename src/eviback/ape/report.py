@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eviback.ape.candidates import Candidate, RejectedProposal
+from eviback.ape.confirm import Confirmation
 from eviback.ape.events import RunIdentity
-from eviback.ape.gates import GateReport, Phase, Selection
+from eviback.ape.gates import NOT_APPLICABLE, GateReport, Phase, Selection
 from eviback.ape.measure import CandidateMetrics, StabilityMetrics
 from eviback.ape.spec import ConstraintSpec
 from eviback.types import to_dict
@@ -50,6 +51,17 @@ class TestComparison:
 
 
 @dataclass(frozen=True)
+class ProposalCounts:
+    """What became of the controller's replies (every one is validated before any teacher call)."""
+
+    received: int  # controller replies (calls that failed included)
+    invalid: int  # no valid workflow: unparseable, unknown keys, an invalid IR (e.g. I in a later run_on)
+    leaky: int  # valid workflows that break the evidence boundary (gold reaches the status stage)
+    other_static: int  # valid, compliant workflows rejected before any call for another reason (duplicate, ...)
+    evaluated: int  # candidates that went on to be judged
+
+
+@dataclass(frozen=True)
 class ApeResult:
     identity: RunIdentity
     spec: ConstraintSpec
@@ -60,6 +72,8 @@ class ApeResult:
     frozen_path: str
     frozen_version: str
     teacher_calls: int  # backend calls paid over the whole run (all resumptions), cache hits excluded
+    confirmation: Confirmation | None = None  # the sealed test's verdict on the winner (None: no winner)
+    proposals: ProposalCounts | None = None
     schema_version: int = RESULT_SCHEMA_VERSION
 
     def record(self, candidate_id: str) -> CandidateRecord | None:
@@ -89,6 +103,13 @@ def _stab(s: StabilityMetrics | None) -> str:
     return f"{_f(a.rate, 2)} (LB {_f(a.lower, 2)}, n={a.n}); {kappa}"
 
 
+def _stab_or_na(m: CandidateMetrics, report: GateReport | None, gate: str) -> str:
+    """The stability cell, or "not applicable" where the check measures nothing for the policy."""
+    results = report.results if report is not None else ()
+    na = next((g for g in results if g.gate == gate and g.value.startswith(NOT_APPLICABLE)), None)
+    return NOT_APPLICABLE + " (greedy decoding)" if na is not None else _stab(m.stability_of(gate.replace(" ", "_")))
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -109,7 +130,7 @@ def _candidate_table(records: Sequence[CandidateRecord], winner: str | None, fro
                     f"{m.cost.tokens_per_rollout:.0f}", f"{m.cost.requests_per_rollout:.2f}",
                     _f(m.schema_violation_rate, 3),
                     _stab(m.stability_of("reordered_evidence")), _stab(m.stability_of("paraphrased_question")),
-                    _stab(m.stability_of("repeated_sampling"))]
+                    _stab_or_na(m, r.report, "repeated sampling")]
         else:
             cols = ["–"] * 8
         lines.append("| " + " | ".join(_cell(x) for x in [c.id, c.policy.name, origin, outcome, *cols,
@@ -134,8 +155,8 @@ def comparison_rows(t: TestComparison) -> list[tuple[str, str, str]]:
         ("I overturned", str(w.boundary.overturned_i), str(b.boundary.overturned_i)),
         ("schema-violation rate", _f(w.schema_violation_rate), _f(b.schema_violation_rate)),
         ("teacher-error rate", _f(w.error_rate), _f(b.error_rate)),
-        ("stability: repeated sampling", _stab(w.stability_of("repeated_sampling")),
-         _stab(b.stability_of("repeated_sampling"))),
+        ("stability: repeated sampling", _stab_or_na(w, t.winner_report, "repeated sampling"),
+         _stab_or_na(b, t.baseline_report, "repeated sampling")),
         ("stability: reordered evidence", _stab(w.stability_of("reordered_evidence")),
          _stab(b.stability_of("reordered_evidence"))),
         ("stability: paraphrased question", _stab(w.stability_of("paraphrased_question")),
@@ -162,7 +183,13 @@ def render_markdown(result: ApeResult) -> str:
     winner = sel.winner if sel else None
     front = sel.non_dominated if sel else ()
     lines = ["# E2E-APE report", ""]
-    if winner:
+    c = result.confirmation
+    if winner and c is not None and not c.confirmed:
+        w = result.record(winner)
+        name = w.candidate.policy.name if w else winner
+        lines += [f"**Nothing frozen: the sealed test did not confirm the selected winner {winner} `{name}`** "
+                  f"(rule `{c.rule.value}`): " + "; ".join(c.reasons) + ".", ""]
+    elif winner:
         w = result.record(winner)
         name = w.candidate.policy.name if w else winner
         lines += [f"**Winner: {winner} `{name}`**, frozen as `{Path(result.frozen_path).name}` version "
@@ -199,6 +226,11 @@ def render_markdown(result: ApeResult) -> str:
     lines += _candidate_table(result.candidates, winner, front, spec)
     if front:
         lines += ["", f"Non-dominated (objective up, tokens down, stability floor up): {', '.join(front)}."]
+    if result.proposals is not None and result.proposals.received:
+        pc = result.proposals
+        lines += ["", f"Controller proposals: {pc.received} received; {pc.invalid} invalid (no valid workflow), "
+                  f"{pc.leaky} leaky (gold reaches the status stage), {pc.other_static} otherwise rejected before "
+                  f"any call, {pc.evaluated} evaluated."]
     if result.rejected_proposals:
         lines += ["", "## Proposals that never became candidates", "", "| slot | from | reason | reply (start) |",
                   "|---|---|---|---|"]
@@ -212,6 +244,11 @@ def render_markdown(result: ApeResult) -> str:
                   "every condition (nothing short-circuits here).", "",
                   f"| metric | winner {t.winner} `{t.winner_name}` | manual `{t.baseline_name}` |", "|---|---|---|"]
         lines += [f"| {_cell(m)} | {_cell(a)} | {_cell(b)} |" for m, a, b in comparison_rows(t)]
+        if c is not None:
+            lines += ["", f"Freeze rule `{c.rule.value}`: the winner's objective {_f(c.winner_objective)}, one-sided "
+                      f"{spec.stability.confidence:g} bootstrap lower bound {_f(c.winner_lower)}, against the "
+                      f"baseline's {_f(c.baseline_objective)}" + (f" + margin {c.margin:g}" if c.margin else "")
+                      + f": {'confirmed, frozen' if c.confirmed else 'not confirmed, nothing frozen'}."]
         failed = t.baseline_report.reasons()
         if failed:
             lines += ["", "Gates the manual policy fails on the test split: " + "; ".join(failed) + "."]

@@ -1,9 +1,11 @@
 """The rollouts E2E-APE judges: loading, sufficiency labels, the deterministic split, and perturbations.
 
-- :func:`load_rollouts` reads rollout dumps (bare trajectories, evaluation records with a `trajectory` key,
-  or training group records with a `trajectories` list) and/or builds probe rollouts from a data suite.
-- :func:`sufficiency_label`: the objective label of a rollout, where the question's gold passages are known:
-  the evidence is sufficient when the actor retrieved all of them (`metadata.gold_passage_ids`).
+- :func:`read_dump` reads rollout dumps of the actor (training rollout dumps ``rollouts/step-<N>.jsonl.gz``:
+  group records with a ``rollouts`` (or ``trajectories``) list; bare trajectories); gzip is transparent.
+- :func:`evidence_label`: the objective label of a rollout, the S/A/I evidence label of
+  :mod:`eviback.teacher.labels` (from the gold answers, the supporting passages and the evidence as the actor
+  saw it); ``sufficient`` is True for S, False for I and None for A (an A rollout counts for every gate but
+  not for the S-vs-I objective).
 - :func:`split_rollouts`: train / validation / sealed test, by a salted hash of the **question id**, so every
   rollout of a question lands in the same split and the assignment never depends on file order. The test
   split is a :class:`SealedSplit`: its size and hash are public, its rollouts are handed out only once a
@@ -21,12 +23,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eviback.data import DataError, load_suite, read_jsonl
+from eviback.data import DataError, read_jsonl
 from eviback.metrics import exact_match
 from eviback.protocol import render_observation
 from eviback.teacher.judge import read_trajectories
+from eviback.teacher.labels import trajectory_label
 from eviback.teacher.workflow import blind_view
-from eviback.types import Trajectory, from_dict, to_dict
+from eviback.types import Status, Trajectory, from_dict, to_dict
 
 
 class Split(enum.StrEnum):
@@ -37,11 +40,12 @@ class Split(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Rollout:
-    """A rollout to judge, with its stable key and its sufficiency label (None where unknown)."""
+    """A rollout to judge, with its stable key and its evidence label."""
 
     key: str  # "<question id>#<12 hex digits of the trajectory's content hash>": unique, order-independent
     trajectory: Trajectory
-    sufficient: bool | None
+    sufficient: bool | None  # the objective: True for label S, False for I, None for A
+    label: Status | None = None  # the S/A/I evidence label (eviback.teacher.labels)
 
     @property
     def question_id(self) -> str:
@@ -54,13 +58,14 @@ def trajectory_sha256(trajectory: Trajectory) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def evidence_label(trajectory: Trajectory) -> Status:
+    """The S/A/I label of the evidence the actor saw (:func:`eviback.teacher.labels.trajectory_label`)."""
+    return trajectory_label(trajectory)
+
+
 def sufficiency_label(trajectory: Trajectory) -> bool | None:
-    """True when the rollout retrieved every gold passage of its question, False when it missed one, None
-    when the question's gold passages are unknown (no label: the rollout still counts for the gates)."""
-    gold = set(trajectory.question.gold_passage_ids)
-    if not gold:
-        return None
-    return gold <= {p.id for p in trajectory.evidence}
+    """The objective's label: True when the evidence label is S, False when I, None when A."""
+    return {Status.SUFFICIENT: True, Status.INSUFFICIENT: False}.get(evidence_label(trajectory))
 
 
 def as_rollouts(trajectories: Iterable[Trajectory]) -> tuple[list[Rollout], int]:
@@ -73,7 +78,8 @@ def as_rollouts(trajectories: Iterable[Trajectory]) -> tuple[list[Rollout], int]
         if key in out:
             duplicates += 1
             continue
-        out[key] = Rollout(key, t, sufficiency_label(t))
+        label = evidence_label(t)
+        out[key] = Rollout(key, t, {Status.SUFFICIENT: True, Status.INSUFFICIENT: False}.get(label), label)
     return list(out.values()), duplicates
 
 
@@ -96,13 +102,6 @@ def read_dump(path: str | Path) -> list[Trajectory]:
             except (ValueError, TypeError, KeyError) as e:
                 raise DataError(path, number, f"malformed trajectory in the group: {e}") from None
     return out
-
-
-def probe_trajectories(n: int, suite: str | Path | None, datasets: Sequence[str], seed: int) -> list[Trajectory]:
-    """`n` probe rollouts (known sufficiency: all gold passages retrieved, or none) from a data suite."""
-    from eviback.teacher.probes import build_probes
-
-    return [p.trajectory for p in build_probes(n, suite=load_suite(suite), datasets=tuple(datasets), seed=seed)]
 
 
 def keep_all_zero(trajectories: Sequence[Trajectory]) -> list[Trajectory]:

@@ -186,6 +186,9 @@ class DataSplit:
                                    "controller", default=24)
     all_zero_only: bool = _help("keep only rollouts of questions none of whose rollouts in the dumps is a "
                                 "verified hit (EM 1): the all-zero groups the teacher is for", default=False)
+    balance_labels: bool = _help("unless all_zero_only: keep every rollout of the all-zero groups, then add "
+                                 "rollouts of other questions (in a fixed hashed order) only while their "
+                                 "evidence label (S or I) is the rarer one so far", default=True)
     paraphrases: str = _help("optional JSONL of {id, paraphrase} question rewordings for the paraphrase check; "
                              "questions without one get a rule-based rewording", default="")
 
@@ -234,6 +237,29 @@ class Search:
             raise SpecError("search.max_candidates, max_stages and controller_max_tokens must be >= 1")
 
 
+class FreezeRule(enum.StrEnum):
+    LOWER_BOUND_ABOVE_BASELINE = "lower-bound-above-baseline"  # the winner's objective lower bound on the
+    # sealed test is above the manual single-prompt policy's point estimate there
+
+
+@dataclass(frozen=True)
+class Freeze:
+    """When the selected winner is frozen: only when the sealed test confirms it. Otherwise the run ends with
+    nothing frozen and the reasons."""
+
+    rule: FreezeRule = _help("lower-bound-above-baseline: the winner's bootstrap lower bound of the objective on "
+                             "the sealed test (stability.confidence, stability.bootstrap_resamples) must exceed "
+                             "the single-prompt baseline's point estimate there",
+                             default=FreezeRule.LOWER_BOUND_ABOVE_BASELINE)
+    margin: float = _help("the lower bound must exceed the baseline by more than this", default=0.0)
+    require_test_gates: bool = _help("every gate must also hold for the winner on the sealed test", default=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rule", FreezeRule(self.rule))
+        if not 0 <= self.margin < 1:
+            raise SpecError(f"freeze.margin={self.margin} must be in [0, 1)")
+
+
 @dataclass(frozen=True)
 class ConstraintSpec:
     """An E2E-APE run's constraints, objective, data split and search budget."""
@@ -245,6 +271,7 @@ class ConstraintSpec:
     objective: Objective = _help("the ranking among feasible candidates", default_factory=Objective)
     data: DataSplit = _help("the split of the rollouts", default_factory=DataSplit)
     search: Search = _help("the candidate search", default_factory=Search)
+    freeze: Freeze = _help("when the winner is frozen (the sealed-test rule)", default_factory=Freeze)
 
     def __post_init__(self) -> None:
         if self.schema_version != SPEC_SCHEMA_VERSION:

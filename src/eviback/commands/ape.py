@@ -1,11 +1,11 @@
 """Build the teacher policy automatically from constraints (E2E-APE, EVIBACK.md section 5).
 
-  eviback ape DUMP [DUMP ...] --out runs/ape                 rollouts from eval / train dumps
-  eviback ape --probes 300 --suite DATA --out runs/ape       probe rollouts with known sufficiency
+  eviback ape DUMP [DUMP ...] --out runs/ape                 the actor's rollouts on training questions
   eviback ape ... --spec my-spec.yaml                        your constraints (default: the packaged spec)
   eviback ape --write-spec my-spec.yaml                      copy the default spec to edit
 
-The rollouts are split by question into train / validation / sealed test. Candidate workflows (the seed
+The rollouts (a training run's rollouts/step-<N>.jsonl.gz; evaluation questions are refused) are labelled
+by the evidence labels of eviback.teacher.labels and split by question into train / validation / sealed test. Candidate workflows (the seed
 policies, systematic structural variants, and proposals of a controller LLM refined from training failures)
 are rejected statically when gold could reach Stage A, then gated on the validation split (I overturned,
 schema, errors, cost, canaries planted in gold, stability under reordered evidence, paraphrased questions and
@@ -28,17 +28,13 @@ HELP = "construct the teacher policy from constraints (E2E-APE) and freeze the w
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dumps", nargs="*", help="rollout dumps: eval items.jsonl, train groups.jsonl, or JSONL "
-                                                  "trajectories")
+    parser.add_argument("dumps", nargs="*", help="the actor's rollout dumps on training questions (a training run's "
+                                                  "rollouts/step-<N>.jsonl.gz, or JSONL trajectories)")
     parser.add_argument("--out", help="run directory (rerun with the same --out to resume)")
     parser.add_argument("--spec", help="constraint spec YAML (default: the packaged default spec)")
     parser.add_argument("--write-spec", metavar="FILE", help="write the default spec to FILE and exit")
-    data = parser.add_argument_group("probe rollouts")
-    data.add_argument("--probes", type=int, default=0, help="probe rollouts with known sufficiency to add")
-    data.add_argument("--suite", help="data suite directory for the probes (default: the embedded one)")
-    data.add_argument("--probe-datasets", default="nq,popqa,hotpotqa",
-                      help="benchmarks the probes are drawn from (comma-separated; default nq,popqa,hotpotqa)")
-    data.add_argument("--probe-seed", type=int, default=0, help="seed of the probe construction")
+    parser.add_argument("--suite", help="data suite whose evaluation questions are refused (default: the embedded "
+                                        "one)")
     teacher = parser.add_argument_group("teacher backend")
     teacher.add_argument("--backend", choices=("local", "http"), default="local",
                          help="local: in-process transformers model; http: an OpenAI-compatible server")
@@ -94,13 +90,17 @@ def run(args: argparse.Namespace) -> int:
     if winner is None:
         print(f"no candidate passed every gate; see {config.out}/report.md for each reason", file=sys.stderr)
         return 1
+    if not result.frozen_path:
+        reasons = "; ".join(result.confirmation.reasons) if result.confirmation else "no sealed-test confirmation"
+        print(f"nothing frozen: the sealed test did not confirm {winner}: {reasons}", file=sys.stderr)
+        return 1
     print(f"\nwinner {winner}: frozen {result.frozen_path} version {result.frozen_version[:12]}\n"
           f"use it: eviback judge DUMP --policy {result.frozen_path}@{result.frozen_version[:12]}")
     return 0
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
-    from eviback.ape.pipeline import ApeConfig, ControllerConfig
+    from eviback.ape.config import ApeConfig, ControllerConfig
     from eviback.teacher import HttpBackendConfig, JudgeConfig, RetryConfig, TeacherConfig
     from eviback.teacher.local import LocalBackendConfig
 
@@ -118,6 +118,5 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
                                api_key_env=args.controller_api_key_env, structured_output="none",
                                timeout_s=args.timeout),
         local_model=args.local_model, dtype=args.dtype)
-    return ApeConfig(out=args.out, dumps=tuple(args.dumps), probes=args.probes, suite=args.suite,
-                     probe_datasets=tuple(d.strip() for d in args.probe_datasets.split(",") if d.strip()),
-                     probe_seed=args.probe_seed, teacher=teacher, controller=controller, cache=args.cache)
+    return ApeConfig(out=args.out, dumps=tuple(args.dumps), suite=args.suite, teacher=teacher,
+                     controller=controller, cache=args.cache)

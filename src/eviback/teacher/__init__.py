@@ -6,7 +6,7 @@
 - `cache`: the reply cache; `judge`: batch judging with concurrency, retries and accounting;
   `config`: one TeacherConfig record and `build_teacher`.
 - `boundary`: audits of the evidence boundary (canaries planted in gold, checked in every request);
-- `probes`: rollouts with known evidence sufficiency for measuring a teacher; `fakes`: test doubles;
+- `probes`: rollouts with known evidence sufficiency for measuring a teacher;
   `vllm_server`: a local OpenAI-compatible server.
 """
 

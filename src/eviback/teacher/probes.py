@@ -3,7 +3,9 @@
 A probe is a Search-R1-shaped trajectory on a real question: one executed search whose retrieved passages
 are real corpus passages, either all of the question's gold passages plus distractors (the evidence is
 sufficient) or distractors only (insufficient), followed by a wrong answer or no answer at all (the actor
-of an all-zero group). Distractors are the question's own non-gold context passages where the data set has
+of an all-zero group). The wrong answer is the title of one of the probe's own distractor passages (what an
+actor misled by its search says): never another question's gold answer, so no probe carries gold strings of
+a question other than its own. Distractors are the question's own non-gold context passages where the data set has
 them (multi-hop sets), else other corpus passages. They let the teacher be measured (throughput, agreement
 with sufficiency, prompt injection) before any actor is trained; they are not rollouts of a model.
 
@@ -66,13 +68,21 @@ def build_probes(
     datasets: Sequence[str] = ("nq", "popqa", "hotpotqa"),
     seed: int = 0,
     passages_per_search: int = 3,
+    source: str = "eval",
 ) -> list[Probe]:
-    """`n` probes over the evaluation questions of `datasets` (default: the embedded suite), alternating
-    sufficient / insufficient evidence and answered / unanswered, deterministic for a seed."""
+    """`n` probes over the questions of `datasets` (default: the embedded suite), alternating sufficient /
+    insufficient evidence and answered / unanswered, deterministic for a seed. `source`: "eval" (the
+    benchmarks' questions, for measuring a teacher) or "train" (the suite's training files)."""
     suite = suite or load_suite()
     rng = random.Random(seed)
-    questions = [q for name in datasets if name in suite.eval for q in read_questions(suite.eval[name])
-                 if q.gold_passage_ids]
+    if source == "eval":
+        questions = [q for name in datasets if name in suite.eval for q in read_questions(suite.eval[name])
+                     if q.gold_passage_ids]
+    elif source == "train":
+        questions = [q for path in suite.train for q in read_questions(path)
+                     if q.gold_passage_ids and q.dataset in datasets]
+    else:
+        raise ValueError(f"source={source!r}: use 'eval' or 'train'")
     if not questions:
         raise ValueError(f"no questions with gold passages in {list(datasets)} of the suite at {suite.root}")
     needed = {pid for q in questions for pid in q.gold_passage_ids}
@@ -102,9 +112,8 @@ def build_probes(
         else:
             evidence = distractors
         answered = (i // 2) % 2 == 0
-        # a wrong answer: another question's gold answer (what an all-zero group's actor says)
-        other = questions[(i + 1) % len(questions)]
-        answer = other.golden_answers[0] if answered else None
+        # a wrong answer taken from the probe's own distractors (never another question's gold answer)
+        answer = (distractors[0].title.strip() or "unknown") if answered else None
         probes.append(Probe(_rollout(question, evidence, answer, index=i % 5), sufficient, answered))
     return probes
 

@@ -1,0 +1,145 @@
+"""Proposing candidates: round 0 (seeds and systematic variants), then controller rounds refining the best
+candidate so far; every controller reply is validated before any teacher call."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from eviback.ape.candidates import (
+    Candidate,
+    NotApplicable,
+    Origin,
+    ProposalError,
+    RejectedProposal,
+    apply_mutation,
+    mutation_names,
+    parse_proposal,
+    seed_policy,
+    structure_key,
+)
+from eviback.ape.controller import EXAMPLE_TEXTS, ChatController, controller_messages
+from eviback.ape.evaluate import evaluate
+from eviback.ape.events import CandidateProposed, ProposalRejected, RoundFinished, RoundStarted
+from eviback.ape.feedback import failures_of
+from eviback.ape.selection import scored
+from eviback.teacher.chat import TeacherCallError
+
+if TYPE_CHECKING:
+    from eviback.ape.pipeline import ApeRun
+
+
+def propose(run: ApeRun, candidate: Candidate) -> Candidate | None:
+    """Log a new valid candidate (unless its slot is taken or the budget is spent)."""
+    if candidate.id in run.candidates or candidate.id in run.rejected:
+        return run.candidates.get(candidate.id)
+    if len(run.candidates) >= run.spec.search.max_candidates:
+        return None
+    run.emit(CandidateProposed(candidate))
+    return candidate
+
+
+def reject_proposal(run: ApeRun, proposal: RejectedProposal) -> None:
+    if proposal.id not in run.rejected and proposal.id not in run.candidates:
+        run.progress(f"{proposal.id}: proposal rejected: {proposal.reason}")
+        run.emit(ProposalRejected(proposal))
+
+
+def mutations_of(run: ApeRun, parent: Candidate, count: int, round_: int, prefix: str) -> list[Candidate]:
+    out: list[Candidate] = []
+    taken = {o.structure for o in run.candidates.values()}
+    index = 0
+    for name in mutation_names(run.spec.search.mutations):
+        if len(out) >= count:
+            break
+        slot = f"{prefix}m{index}"
+        if slot in run.candidates:
+            out.append(run.candidates[slot])
+            index += 1
+            continue
+        try:
+            policy = apply_mutation(name, parent.policy)
+        except NotApplicable:
+            continue
+        if structure_key(policy) in taken:
+            continue
+        candidate = propose(run, Candidate(slot, policy, Origin.MUTATION, parent.id, round_, name))
+        index += 1
+        if candidate is None:
+            break
+        out.append(candidate)
+    return out
+
+
+def round_zero(run: ApeRun) -> None:
+    seeds = []
+    for i, ref in enumerate(run.spec.search.seeds):
+        c = propose(run, Candidate(f"s{i}", seed_policy(ref), Origin.SEED, "", 0, ref))
+        if c is not None:
+            seeds.append(c)
+    base = next((c for c in seeds if not c.policy.boundary_violations()), None)
+    if base is not None and 0 not in run.rounds:
+        mutations_of(run, base, len(mutation_names(run.spec.search.mutations)), 0, "")
+    for c in list(run.candidates.values()):
+        if c.round == 0:
+            evaluate(run, c)
+    if 0 not in run.rounds:
+        run.emit(RoundFinished(0, base.id if base is not None else ""))
+
+
+def best_so_far(run: ApeRun) -> Candidate | None:
+    """The best candidate so far: the selected feasible one; else the best objective among those with
+    base metrics; else the first compliant seed."""
+    selection = run.selector.select(scored(run), run.spec)
+    if selection.winner is not None:
+        return run.candidates[selection.winner]
+    measured = [(d.metrics.objective(run.spec.objective.metric), -run.order(run.candidates[cid]), cid)
+                for cid, d in run.decided.items() if d.metrics is not None
+                and d.metrics.objective(run.spec.objective.metric) is not None]
+    if measured:
+        return run.candidates[max(measured)[2]]
+    return next((c for c in run.candidates.values() if not c.policy.boundary_violations()), None)
+
+
+def controller_round(run: ApeRun, round_: int) -> None:
+    started = run.round_parents.get(round_)
+    parent = run.candidates[started] if started else best_so_far(run)
+    if parent is None:
+        return
+    if not started:  # logged, so that a resumed round refines the same parent
+        run.emit(RoundStarted(round_, parent.id))
+    prefix = f"r{round_}."
+    run.progress(f"round {round_}: refining {parent.id} {parent.policy.name}")
+    controller = run.controller
+    if controller is not None and run.spec.search.proposals_per_round:
+        summary, failures = failures_of(run, parent, round_)
+        whole = not (isinstance(controller, ChatController) and controller.settings.skeletons)
+        messages = controller_messages(parent.policy, summary, failures, whole_workflow=whole)
+        for p in range(run.spec.search.proposals_per_round):
+            slot = f"{prefix}p{p}"
+            if slot in run.candidates or slot in run.rejected:
+                continue
+            if len(run.candidates) >= run.spec.search.max_candidates:
+                break
+            run.progress(f"{slot}: asking the controller {controller.controller_id} for a proposal")
+            try:
+                reply = controller.propose(messages, slot=round_ * 100 + p, stage=parent.policy.status_stage.name)
+            except TeacherCallError as e:
+                reject_proposal(run, RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_,
+                                                      f"controller call failed: {e}"))
+                continue
+            try:
+                policy = parse_proposal(reply.text, parent.policy, f"{parent.policy.name}~{slot}")
+                copied = [t for s in policy.stages for t in (s.system_prompt, s.user_template)
+                          if t.strip() in EXAMPLE_TEXTS]
+                if copied:
+                    raise ProposalError(f"the reply copies the prompt's example ({copied[0]!r}) instead of "
+                                        f"proposing a workflow")
+            except ProposalError as e:
+                reject_proposal(run, RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_, str(e),
+                                                      reply.text[:300]))
+                continue
+            propose(run, Candidate(slot, policy, Origin.CONTROLLER, parent.id, round_, "controller proposal"))
+    mutations_of(run, parent, run.spec.search.mutations_per_round, round_, prefix)
+    for c in [c for c in run.candidates.values() if c.round == round_]:
+        evaluate(run, c)
+    run.emit(RoundFinished(round_, parent.id))
