@@ -14,6 +14,16 @@ def test_help_lists_commands():
     assert "data" in out and "validate and convert" in out
 
 
+def test_every_command_has_help():
+    out = eviback("--help").stdout
+    commands = [c for c in ("demo", "train", "sft", "eval", "report", "judge", "build-judge", "ape", "index",
+                            "serve", "data") if c in out]
+    assert "build-judge" in commands
+    for command in commands:
+        result = eviback(command, "--help", check=False)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (command, result.stderr[-500:])
+
+
 def test_data_validate_reports_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "1", "question": "q", "golden_answers": ["a"]}\n{"id": "2", "question": "q"}\n')

@@ -23,21 +23,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eviback.teacher.evidence_judge import EvidenceJudgeConfig
 
     d = EvidenceJudgeConfig()
-    fields = EvidenceJudgeConfig.__dataclass_fields__
-    parser.add_argument("--data", default=None, metavar="DIR", help=fields["data"].metadata["help"])
+    # argparse expands `%` in help texts: the fields' own texts are literal
+    fields = {name: {"help": f.metadata["help"].replace("%", "%%")}
+              for name, f in EvidenceJudgeConfig.__dataclass_fields__.items() if "help" in f.metadata}
+    parser.add_argument("--data", default=None, metavar="DIR", help=fields["data"]["help"])
     parser.add_argument("--train-files", nargs="+", default=[], metavar="NAME",
-                        help=fields["train_files"].metadata["help"])
-    parser.add_argument("--rollouts", nargs="+", default=[], metavar="DUMP", help=fields["rollouts"].metadata["help"])
+                        help=fields["train_files"]["help"])
+    parser.add_argument("--rollouts", nargs="+", default=[], metavar="DUMP", help=fields["rollouts"]["help"])
     for name in ("max_questions", "topk", "max_obs_tokens", "max_length", "batch_size", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
-                            help=f"{fields[name].metadata['help']} (default: %(default)s)")
+                            help=f"{fields[name]['help']} (default: %(default)s)")
     for name in ("balance_ratio", "heldout_share", "epochs", "learning_rate"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
-                            help=f"{fields[name].metadata['help']} (default: %(default)s)")
-    parser.add_argument("--base-model", default="", help=fields["base_model"].metadata["help"])
-    parser.add_argument("--threads", type=int, default=None, help=fields["threads"].metadata["help"])
-    parser.add_argument("--output", default="", metavar="DIR", help=fields["output"].metadata["help"])
-    parser.add_argument("--force", action="store_true", help=fields["force"].metadata["help"])
+                            help=f"{fields[name]['help']} (default: %(default)s)")
+    parser.add_argument("--base-model", default="", help=fields["base_model"]["help"])
+    parser.add_argument("--threads", type=int, default=None, help=fields["threads"]["help"])
+    parser.add_argument("--output", default="", metavar="DIR", help=fields["output"]["help"])
+    parser.add_argument("--force", action="store_true", help=fields["force"]["help"])
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJudgeConfig
