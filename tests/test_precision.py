@@ -74,3 +74,23 @@ def test_precision_per_device():
     assert training_precision("bfloat16", cuda=True) is Precision.AUTOCAST
     assert training_precision("float32", cuda=False) is Precision.FLOAT32
     assert training_precision("float32", cuda=True) is Precision.FLOAT32
+
+
+def test_log_probabilities_are_fp32_from_a_bf16_model():
+    """The KL term and the importance ratio read log-probabilities: both of the trainer's paths (TRL's fused
+    head and eviback's padding-free one) give them in fp32 from a bf16 model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from eviback.train.update import padding_free_logprobs, score_plan
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 8))
+    attention = torch.ones_like(ids)
+    fast = padding_free_logprobs(model, ids, score_plan(attention, 4))
+    add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",))
+    trl = model(input_ids=ids, attention_mask=attention, labels=ids, fused_lm_head=True).log_probs
+    assert trl.dtype == torch.float32 and fast.logps.dtype == torch.float32
