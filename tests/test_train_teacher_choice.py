@@ -35,3 +35,18 @@ def test_the_prompted_stage_a_other_policies_and_http_teachers_are_unchanged(bui
     assert built == []
     with pytest.raises(ValueError, match="teacher_stage_a"):
         teacher_policy_ref(TrainConfig(teacher_stage_a="other"))
+
+
+def test_a_judge_at_chance_is_reported(tmp_path, caplog):
+    import json
+    import logging
+
+    from eviback.train.runner import warn_if_uninformative
+
+    at_chance = {"heldout": {"n": 95, "kappa": 0.0, "balanced_accuracy": 1 / 3}}
+    (tmp_path / "judge.json").write_text(json.dumps(at_chance))
+    with caplog.at_level(logging.WARNING):
+        assert warn_if_uninformative(tmp_path)
+    assert "at chance" in caplog.text
+    (tmp_path / "judge.json").write_text(json.dumps({"heldout": {"n": 283, "kappa": 0.455}}))
+    assert not warn_if_uninformative(tmp_path)

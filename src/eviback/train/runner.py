@@ -182,7 +182,30 @@ def teacher_policy_ref(config: TrainConfig) -> str:
         epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens, seed=config.seed))
     log.info("teacher: two-stage with the trained evidence judge %s as Stage A (teacher_stage_a=prompted "
              "keeps the prompted Stage A)", judge.sha256[:12])
+    warn_if_uninformative(judge.path)
     return str(judge.policy_path)
+
+
+def warn_if_uninformative(judge_dir: Path, min_kappa: float = 0.1) -> bool:
+    """Warn when a judge's own held-out training questions show it at chance (kappa below `min_kappa`, e.g.
+    one status for everything): its Stage A then passes every rollout on to Stage B and carries no
+    evidence signal. Returns whether it warned."""
+    import json
+
+    from eviback.teacher.evidence_judge import JUDGE_FILE
+
+    record = Path(judge_dir) / JUDGE_FILE
+    if not record.exists():
+        return False
+    heldout = json.loads(record.read_text()).get("heldout") or {}
+    kappa = heldout.get("kappa")
+    if kappa is None or kappa >= min_kappa:
+        return False
+    log.warning("the evidence judge %s is at chance on its held-out training questions (kappa %.2f, n %s): its "
+                "Stage A verdicts carry no evidence signal. Build a larger one (`eviback build-judge`, more "
+                "questions or epochs; judge_max_questions / judge_epochs here)", Path(judge_dir).name, kappa,
+                heldout.get("n"))
+    return True
 
 
 def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
