@@ -53,15 +53,23 @@ def train(out: Path, settings: list[str]) -> tuple[list[dict], list[str], float]
 
 def soak(args: argparse.Namespace) -> dict:
     run = args.work / "soak"
-    metrics, command, wall = train(run, [*SOAK_SETTINGS, f"max_steps={args.steps}"])
+    settings = [*SOAK_SETTINGS, f"max_steps={args.steps}"]
+    if args.report_only:  # the figures of a run in progress or stopped early, from its metrics.jsonl
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        command, wall = ["eviback", "train", "--preset", "demo", *(f"--set {s}" for s in settings)], float("nan")
+    else:
+        metrics, command, wall = train(run, settings)
     by_step = {m["step"]: m for m in metrics}
-    marks = [s for s in (1, 50, 100, 200, args.steps) if s in by_step]
+    marks = [s for s in (1, 50, 100, 150, 200, args.steps, max(by_step)) if s in by_step]
     table = {str(s): {k: by_step[s].get(k) for k in GAUGES} for s in dict.fromkeys(marks)}
     later = [m for m in metrics if m["step"] >= min(50, args.steps)]
     return {
         "command": " ".join(command), "steps": len(metrics), "wall_s": round(wall, 1),
         "at_steps": table,
         "max_after_step_50": {k: max((m.get(k) or 0) for m in later) for k in GAUGES if k != "time/step"},
+        "engine_logp_diff": [{"step": m["step"], "mean": m.get("train/engine_logp_diff_mean"),
+                              "max": m.get("train/engine_logp_diff_max"), "is_ratio_mean": m.get("train/is_ratio_mean"),
+                              "is_ratio_max": m.get("train/is_ratio_max")} for m in metrics],
         "metrics": metrics,
         "load_avg": os.getloadavg(),
     }
@@ -84,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--work", type=Path, default=Path("runs/bench-training"), help="run directories")
     parser.add_argument("--out", type=Path, required=True, help="raw JSON")
+    parser.add_argument("--report-only", action="store_true", help="soak: report the run in --work as it is "
+                        "(in progress or stopped), without training")
     args = parser.parse_args(argv)
     result = soak(args) if args.part == "soak" else mismatch(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
