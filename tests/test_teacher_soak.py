@@ -1,7 +1,14 @@
 """A soak test of the teacher's judging machinery: many judge calls through the real SQLite reply cache
-leave the number of open file descriptors, the cache's open connections and the memory flat."""
+leave the number of open file descriptors, the cache's open connections and the memory flat.
 
+The calls run in a fresh Python process: inside the test session other tests' threads (an engine, HTTP
+servers) open and close descriptors and allocate memory at any time, which would make the counts noisy."""
+
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 from eviback.teacher.cache import SqliteCache
 from eviback.teacher.judge import JudgeConfig, Teacher
@@ -21,7 +28,7 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def test_500_judge_calls_leave_descriptors_connections_and_memory_flat(tmp_path):
+def soak(tmp_path: Path) -> None:
     trajectories = [p.trajectory for p in build_probes(CONCURRENCY, seed=4)]
     cache = SqliteCache(tmp_path / "replies.sqlite")
     client = ScriptedClient()
@@ -47,3 +54,13 @@ def test_500_judge_calls_leave_descriptors_connections_and_memory_flat(tmp_path)
     assert len(cache) == 2 * 11 * CONCURRENCY  # two stages x 11 teacher samples x 8 rollouts
     cache.close()
     assert cache.open_connections == 0
+    print(json.dumps({str(k): v for k, v in samples.items()}))
+
+
+def test_500_judge_calls_leave_descriptors_connections_and_memory_flat(tmp_path):
+    here = Path(__file__).parent
+    code = f"import test_teacher_soak as t, pathlib; t.soak(pathlib.Path({str(tmp_path)!r}))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
