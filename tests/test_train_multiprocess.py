@@ -15,23 +15,12 @@ import time
 import pytest
 import yaml
 
+from test_train_cli import TINY as CLI_TINY
+
 pytestmark = pytest.mark.slow
 
-TINY = {
-    "backend": "hf",
-    "warm_start": False,
-    "group_size": 2,
-    "questions_per_step": 1,
-    "max_turns": 1,
-    "max_turn_tokens": 24,
-    "max_obs_tokens": 64,
-    "save_steps": 1,
-    "teacher_backend": "local",
-    "teacher_stage_a": "prompted",  # the trained evidence judge's build is tested in test_evidence_judge.py
-    "train_files": ["popqa_train"],
-    "eval_benchmarks": ["nq"],
-    "eval_limit": 2,
-}
+# the single-process CLI test's tiny run, one question per process and step, with a held-out evaluation
+TINY = {**CLI_TINY, "questions_per_step": 1, "eval_benchmarks": ["nq"], "eval_limit": 2}
 
 
 def torchrun(tmp_path, steps: int, *extra: str) -> subprocess.Popen:  # noqa: ANN001
