@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     def choose_path(self, inputs):  # noqa: ANN001, ANN202
         step = self.state.global_step + 1
         path = args.paths if args.paths != "alternate" else ("plain" if step % 2 == 0 else "fast")
-        self.fast_update = path == "fast"
+        self.fast_update = self.defer_old_logps = path == "fast"
         paths[step] = path
         return choose(self, inputs)
 

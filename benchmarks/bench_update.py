@@ -12,8 +12,10 @@ the shapes, not on the weights.
 Variants: `plain` (TRL's own path), `fast` (eviback's, rows of similar length batched with at most 20%
 padding), `fast_per_row` (every row alone), and `plain_1thread` / `fast_1thread` with one torch thread: on
 a CPU shared with other busy processes, two OpenMP threads spend most of each small kernel waiting for each
-other, which penalises the path with more (smaller) kernels. One update = what TRL does after the rollouts: the reference model's log-probabilities of the whole batch
-(no grad), then per micro-batch the policy's forward (log-probs, loss) and backward, then gradient clipping
+other, which penalises the path with more (smaller) kernels. One update = what TRL does after the rollouts:
+the policy's "old" log-probabilities of the whole batch for the behaviour correction (no grad; the fast
+variants take them from the loss pass instead, `EviBackTrainer.defer_old_logps`), the reference model's
+log-probabilities of the whole batch (no grad), then per micro-batch the policy's forward (log-probs, loss) and backward, then gradient clipping
 and the optimiser step. Plain and fast repetitions alternate; the bf16 matmul peak (2048 x 2048) is measured
 before each pair. FLOPs = 6 x parameters x trained tokens + 2 x parameters x reference tokens, counting real
 (non-padding) tokens only, the same for every variant; roofline share = FLOPs / (seconds x peak).
@@ -173,12 +175,12 @@ def build_trainer(args: argparse.Namespace, out: Path, group_size: int, question
     from eviback.policy import load_tokenizer, resolve_model
     from eviback.train.grpo import EviBackTrainer, training_dataset
     from eviback.train.precision import MasterWeightAdamW
-    from eviback.train.runner import load_policy_for_training
+    from eviback.train.runner import Precision, load_policy_for_training
     from eviback.types import Question
 
     path = resolve_model(args.model, "float32")
     tokenizer = load_tokenizer(path)
-    model, master = load_policy_for_training(path, "bfloat16", None)
+    model, master = load_policy_for_training(path, Precision.MASTERS, None)
     optimizer = MasterWeightAdamW(model, master, lr=args.lr, weight_decay=0.0)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_update_"), per_device_train_batch_size=group_size,
@@ -222,6 +224,29 @@ def reference_logps(trainer, batch: dict[str, torch.Tensor], rollout_masks: list
     return ref
 
 
+def behaviour_correction(trainer, batch: dict[str, torch.Tensor], rollout_masks: list[list[int]]) -> dict:  # noqa: ANN001
+    """The importance-ratio inputs of the loss, as `eviback train` sets the correction up: TRL's way (one
+    more no-grad pass of the policy for the old log-probs, `trainer.defer_old_logps` False) or eviback's
+    (deferred to the loss pass). The engine's log-probs are not in the recorded groups: the batch carries
+    zeros, which changes the ratio's values, not the cost."""
+    from eviback.train.update import importance_ratio
+
+    sampling = torch.zeros(batch["completion_ids"].shape, dtype=torch.float32)
+    if trainer.defer_old_logps:
+        return {"sampling_per_token_logps": sampling,
+                "deferred_is": torch.ones(batch["completion_ids"].shape[0], dtype=torch.bool)}
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    trainer._fast_rollout_masks = rollout_masks
+    with torch.no_grad():
+        old, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attention, batch["completion_ids"].shape[1],
+            batch_size=trainer.args.per_device_train_batch_size)
+    mask = batch["completion_mask"] * batch["tool_mask"]
+    ratio, _ = importance_ratio(old, sampling, mask, cap=2.0)
+    return {"sampling_per_token_logps": sampling, "old_per_token_logps": old, "importance_sampling_ratio": ratio}
+
+
 VARIANTS = {  # name: (fast path, its max padding share per decoder batch, torch threads or None: the default)
     "plain": (False, 0.0, None),
     "fast": (True, 0.2, None),
@@ -234,6 +259,7 @@ VARIANTS = {  # name: (fast path, its max padding share per decoder batch, torch
 def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, variant: str, seed: int) -> dict:  # noqa: ANN001
     """One update; returns its phases' seconds and the sampled peak RSS (GB) above the start."""
     trainer.fast_update, trainer.fast_max_padding, threads = VARIANTS[variant]
+    trainer.defer_old_logps = trainer.fast_update  # the fast path skips TRL's old-log-prob pass
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
     try:
@@ -244,12 +270,16 @@ def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, vari
 
 def _timed_update(trainer, model, optimizer, batch, rollout_masks, parts: int, seed: int) -> dict:  # noqa: ANN001
     gc_before = rss_gb()
-    times: dict[str, float] = {"reference_s": 0.0, "policy_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+    times: dict[str, float] = {"old_logps_s": 0.0, "reference_s": 0.0, "policy_forward_s": 0.0, "backward_s": 0.0,
+                               "optimizer_s": 0.0}
     with PeakRss() as peak:
+        t0 = time.perf_counter()
+        correction = behaviour_correction(trainer, batch, rollout_masks)
+        times["old_logps_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref = reference_logps(trainer, batch, rollout_masks)
         times["reference_s"] = time.perf_counter() - t0
-        full = dict(batch, ref_per_token_logps=ref)
+        full = dict(batch, ref_per_token_logps=ref, **correction)
         losses = []
         for mb in micro_batches(full, parts, seed):
             t0 = time.perf_counter()
@@ -273,11 +303,12 @@ def _timed_update(trainer, model, optimizer, batch, rollout_masks, parts: int, s
 
 def loss_and_grads(trainer, model, ref_model, batch, rollout_masks, parts: int, fast: bool, seed: int):  # noqa: ANN001, ANN201
     """(loss, flat fp64 gradient, reference log-probs at the loss mask) of one update's passes, no step."""
-    trainer.fast_update = fast
-    saved, trainer.ref_model = trainer.ref_model, ref_model
+    trainer.fast_update = trainer.defer_old_logps = fast
+    saved, saved_model, trainer.ref_model, trainer.model = trainer.ref_model, trainer.model, ref_model, model
     try:
+        correction = behaviour_correction(trainer, batch, rollout_masks)
         ref = reference_logps(trainer, batch, rollout_masks)
-        full = dict(batch, ref_per_token_logps=ref)
+        full = dict(batch, ref_per_token_logps=ref, **correction)
         model.zero_grad(set_to_none=True)
         loss = 0.0
         for mb in micro_batches(full, parts, seed):
@@ -285,7 +316,7 @@ def loss_and_grads(trainer, model, ref_model, batch, rollout_masks, parts: int, 
             step_loss.backward()
             loss += float(step_loss.detach())
     finally:
-        trainer.ref_model = saved
+        trainer.ref_model, trainer.model = saved, saved_model
     grads = torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
     model.zero_grad(set_to_none=True)
     mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
@@ -469,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {f"speedup_{v}_median": med((f"speedup_{v}",)) for v in variants[1:]}
     summary["bf16_peak_gflops_median"] = peak
     for mode in variants:
-        for key in ("update_s", "reference_s", "policy_forward_s", "backward_s", "optimizer_s", "roofline_share",
+        for key in ("update_s", "old_logps_s", "reference_s", "policy_forward_s", "backward_s", "optimizer_s", "roofline_share",
                     "peak_rss_above_start_gb"):
             summary[f"{mode}_{key}_median"] = med((mode, key))
     result["summary"] = summary

@@ -99,7 +99,8 @@ def test_train_writes_a_complete_run_directory(tmp_path):
 
 
 def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
-    process = run_train(tmp_path, "killed", 3, wait=False)
+    # one rollout per forward/backward pass (4 micro-batches per step), as a memory-bound run sets it
+    process = run_train(tmp_path, "killed", 3, "--set", "micro_batch_rows=1", wait=False)
     state = tmp_path / "killed" / "checkpoints" / "checkpoint-1" / "trainer_state.json"
     deadline = time.time() + 1200
     while not state.exists() and process.poll() is None and time.time() < deadline:
@@ -110,7 +111,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     before = records(tmp_path / "killed" / "metrics.jsonl")
     assert before and before[0]["step"] == 1
 
-    result = run_train(tmp_path, "killed", 3, "--resume")
+    result = run_train(tmp_path, "killed", 3, "--set", "micro_batch_rows=1", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stderr
     metrics = records(tmp_path / "killed" / "metrics.jsonl")

@@ -33,6 +33,7 @@ def test_file_then_overrides_win(tmp_path):
         (["group_size=1"], "group_size must be >= 2"),
         (["teacher_backend=http"], "needs teacher_url"),
         (["lam"], "is not key=value"),
+        (["group_size=5", "questions_per_step=4", "micro_batch_rows=3"], "must divide .* = 20"),
     ],
 )
 def test_bad_settings_are_named(overrides, message):

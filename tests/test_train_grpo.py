@@ -263,3 +263,59 @@ def test_bf16_steps_update_the_fp32_masters(tmp_path):
     norms = [entry["grad_norm"] for entry in logged if "grad_norm" in entry]
     assert norms and norms[0] > 0
     assert all(p.grad is None for p in model.parameters())  # nothing left in bf16 buffers
+
+
+def test_deferred_old_logprobs_give_trls_step(tmp_path):
+    """With the behaviour correction on and one optimiser step per generation batch, the "old" log-probs
+    are the loss pass's own: the trainer skips TRL's extra no-grad pass of the policy and computes the
+    importance ratio in the loss pass. Same step as TRL's way: the logged engine/trainer differences and
+    ratios, the loss and the updated weights; one policy pass fewer."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig
+
+    from eviback.policy import load_tokenizer, resolve_model
+    from eviback.train.grpo import EviBackTrainer, training_dataset
+
+    path = resolve_model("smollm2-135m", "float32")
+    tokenizer = load_tokenizer(path)
+
+    def one_step(defer: bool):  # noqa: ANN202
+        logged, passes = [], []
+
+        class Logs(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+                logged.append(dict(logs or {}))
+
+        class Counting(EviBackTrainer):
+            def _per_token_logps(self, model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                if model is self.model and not torch.is_grad_enabled():
+                    passes.append(1)
+                return super()._per_token_logps(model, *args, **kwargs)
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        engine = RolloutEngine(AlternatingBackend(tokenizer), FixedRetriever(),
+                               RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=32,
+                                             max_context_tokens=1024))
+        args = GRPOConfig(output_dir=str(tmp_path / str(defer)), per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, num_generations=2, max_steps=1, learning_rate=1e-4,
+                          beta=0.0, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                          logging_steps=1, remove_unused_columns=False, shuffle_dataset=False, disable_tqdm=True)
+        trainer = Counting(
+            engine=engine, questions={q.id: q for q in QUESTIONS}, backoff=BackoffConfig(mode=Mode.GRPO),
+            judge_groups=None, on_step=lambda _: None, push_weights=False, model=model, args=args,
+            train_dataset=training_dataset(QUESTIONS), processing_class=tokenizer, callbacks=[Logs()])
+        trainer.defer_old_logps = defer
+        trainer.train()
+        return next(e for e in logged if "loss" in e), len(passes), dict(model.named_parameters())
+
+    theirs, their_passes, their_weights = one_step(defer=False)
+    ours, our_passes, our_weights = one_step(defer=True)
+    assert (their_passes, our_passes) == (1, 0)
+    keys = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+            "sampling/importance_sampling_ratio/max", "loss", "grad_norm"]
+    assert theirs["sampling/importance_sampling_ratio/min"] < 1  # a correction that weights the loss
+    for key in keys:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    for name, p in their_weights.items():
+        torch.testing.assert_close(our_weights[name], p, rtol=1e-5, atol=1e-7)

@@ -74,6 +74,9 @@ class TrainConfig:
     max_steps: int = field(default=20, metadata={"help": "optimisation steps"})
     save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps (resume point)"})
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
+    micro_batch_rows: int = field(default=0, metadata={"help": "rollouts per forward/backward pass of the update "
+                                  "(0: one group, G); fewer rows, less activation memory, same loss and gradient; "
+                                  "must divide questions_per_step x group_size"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward "
                                          "pass: saves memory on large models, costs ~30% time"})
     dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype: bfloat16 (CPU: a bf16 model "
@@ -120,6 +123,10 @@ class TrainConfig:
             raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
         if self.keep_rollout_steps < 0:
             raise ValueError(f"keep_rollout_steps must be >= 0, got {self.keep_rollout_steps}")
+        rollouts = self.questions_per_step * self.group_size
+        if self.micro_batch_rows < 0 or (self.micro_batch_rows and rollouts % self.micro_batch_rows):
+            raise ValueError(f"micro_batch_rows={self.micro_batch_rows} must divide questions_per_step x group_size "
+                             f"= {rollouts} (0: one group per micro-batch)")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
 

@@ -215,7 +215,18 @@ class EviBackTrainer(GRPOTrainer):
                                "this adapter is written for trl==1.16.0")
         self._pending = [self.questions_by_id[ids[i]] for i in starts]
         self._sync_s = 0.0
-        output = super()._generate_and_score_completions(inputs)
+        self._skip_old_pass = self._can_defer_old_logps()
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            deferred, self._skip_old_pass = not self._skip_old_pass, False
+        if deferred:
+            # The old log-probs are the loss pass's own (see `_defer_old_logps`): drop the placeholder, so
+            # that TRL's loss takes `per_token_logps.detach()`; the importance ratio is filled in there.
+            output.pop("old_per_token_logps", None)
+            output["deferred_is"] = torch.ones(output["completion_ids"].shape[0], dtype=torch.bool,
+                                               device=output["completion_ids"].device)
+            self._deferred_stats = None
         batch = self._batch
         if batch is None or len(batch.groups) != len(self._pending):
             raise RuntimeError("TRL did not call the rollout function for this batch")
@@ -246,7 +257,7 @@ class EviBackTrainer(GRPOTrainer):
                 mask[dropped] = 0
             tokens = (output["completion_mask"] * mask).sum()
             output["num_items_in_batch"] = self.accelerator.gather(tokens).sum()
-        if not self.correction.enabled and "importance_sampling_ratio" in output:
+        if not self.correction.enabled and "importance_sampling_ratio" in output and not deferred:
             # Measured (the log-prob difference is logged) but not applied: every ratio is 1.
             output["importance_sampling_ratio"] = torch.ones_like(output["importance_sampling_ratio"])
         self._fix_clipped_ratio(batch)
@@ -259,6 +270,62 @@ class EviBackTrainer(GRPOTrainer):
         if self.accelerator.is_main_process:
             self.on_step(outcome)
         return output
+
+    # ---- the behaviour correction without TRL's extra forward pass
+    #
+    # With the correction on, TRL runs the policy once more after the rollouts (no grad) for the "old"
+    # log-probs: the importance ratio's numerator, and the PPO ratio's denominator. With one optimiser step
+    # per generation batch (num_iterations == 1), the weights do not change between that pass and the loss
+    # pass of each micro-batch, so both are the loss pass's own log-probs: the old pass is skipped (a NaN
+    # placeholder stands in for it), and each micro-batch's importance ratio and the logged engine/trainer
+    # differences are computed from its loss pass instead. One forward pass over the whole batch fewer per
+    # step; the loss is TRL's (tests/test_train_grpo.py compares the two ways on the same step).
+
+    defer_old_logps: bool = True  # False: TRL's own extra pass
+    _skip_old_pass: bool = False
+    _deferred_inputs: dict[str, Any] | None = None
+    _deferred_stats: torch.Tensor | None = None
+
+    def _can_defer_old_logps(self) -> bool:
+        return bool(self.defer_old_logps and self.use_vllm and self.vllm_importance_sampling_correction
+                    and self.num_iterations == 1
+                    and self.args.gradient_accumulation_steps % self.args.steps_per_generation == 0
+                    and not hasattr(self.accelerator.unwrap_model(self.model), "peft_config"))
+
+    def _defer_old_logps(self, inputs: dict[str, Any], old: torch.Tensor) -> None:
+        """Fill in the micro-batch's importance ratio from its loss pass's log-probs `old` (detached) and
+        update the step's logged engine/trainer differences."""
+        from eviback.train.update import importance_ratio
+
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        ratio, stats = importance_ratio(old, inputs["sampling_per_token_logps"], mask,
+                                        mode=self.vllm_importance_sampling_mode,
+                                        cap=self.vllm_importance_sampling_clip_max)
+        inputs["importance_sampling_ratio"] = ratio if self.correction.enabled else torch.ones_like(ratio)
+        # Running figures over the step's micro-batches and processes (every process scores the same number
+        # of micro-batches, so the gather is a matched collective).
+        stats = self.accelerator.gather(stats.to(old.device)).view(-1, stats.numel()).cpu()
+        total = self._deferred_stats
+        for row in stats:
+            total = row.clone() if total is None else torch.stack([
+                total[0] + row[0], total[1] + row[1], torch.maximum(total[2], row[2]),
+                torch.minimum(total[3], row[3]), total[4] + row[4], total[5] + row[5],
+                torch.maximum(total[6], row[6])])
+        self._deferred_stats = total
+        delta_sum, delta_n, delta_max, ratio_min, ratio_sum, ratio_n, ratio_max = total.tolist()
+        figures = {"sampling/sampling_logp_difference/mean": delta_sum / delta_n if delta_n else 0.0,
+                   "sampling/sampling_logp_difference/max": delta_max if delta_n else 0.0,
+                   "sampling/importance_sampling_ratio/min": ratio_min if ratio_n else 0.0,
+                   "sampling/importance_sampling_ratio/mean": ratio_sum / ratio_n if ratio_n else 0.0,
+                   "sampling/importance_sampling_ratio/max": ratio_max if ratio_n else 0.0}
+        metrics = self._metrics["train"]
+        for name, value in figures.items():
+            if metrics.get(name):
+                metrics[name][-1] = value  # TRL logged a placeholder for this generation batch
+            else:
+                metrics[name].append(value)
 
     def _fix_clipped_ratio(self, batch: RolloutBatch) -> None:
         """TRL counts a completion as clipped when it does not end with EOS; a trajectory ends on a stop
@@ -345,15 +412,31 @@ class EviBackTrainer(GRPOTrainer):
 
             release_free_heap()
         self._fast_loss_mask, self._fast_rollout_masks, self._fast_new_batch = mask, None, False
+        deferred = inputs.pop("deferred_is", None) is not None
+        self._deferred_inputs = inputs if deferred else None
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self._fast_loss_mask = None
+            self._fast_loss_mask = self._deferred_inputs = None
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
                                            attention_mask: torch.Tensor, logits_to_keep: int,
                                            batch_size: int | None = None, compute_entropy: bool = False,
                                            compute_aux_loss: bool = False, **extra: Any) -> tuple:
+        if self._skip_old_pass and model is self.model and not torch.is_grad_enabled():
+            # TRL's no-grad "old" pass after the rollouts: deferred to the loss pass (`_defer_old_logps`).
+            self._skip_old_pass = False
+            return torch.full(input_ids.shape[:1] + (logits_to_keep,), float("nan"), device=input_ids.device), None, None
+        logps, entropy, aux = self._per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                    compute_entropy, compute_aux_loss, **extra)
+        if self._deferred_inputs is not None and torch.is_grad_enabled():
+            inputs, self._deferred_inputs = self._deferred_inputs, None
+            self._defer_old_logps(inputs, logps.detach())
+        return logps, entropy, aux
+
+    def _per_token_logps(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         logits_to_keep: int, batch_size: int | None, compute_entropy: bool,
+                         compute_aux_loss: bool, **extra: Any) -> tuple:
         from eviback.train.update import padding_free_logprobs, score_plan
 
         plan = None

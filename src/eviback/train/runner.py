@@ -363,10 +363,13 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
                      record.get("train/loss", 0), record["time/step"])
 
     state_processes = state.num_processes
+    rows = config.micro_batch_rows or config.group_size
     args = GRPOConfig(
         output_dir=str(run.checkpoints),
-        per_device_train_batch_size=config.group_size,
-        gradient_accumulation_steps=config.questions_per_step,
+        # One optimiser step per generation batch (questions_per_step groups), scored in micro-batches of
+        # `micro_batch_rows` rollouts (default: one group).
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=config.questions_per_step * config.group_size // rows,
         num_generations=config.group_size,
         max_steps=config.max_steps,
         learning_rate=config.learning_rate,

@@ -264,3 +264,33 @@ def padding_free_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, plan:
     full_logps = flat.index_put((index,), logps).view(batch, keep)
     full_entropy = flat.index_put((index,), entropy).view(batch, keep)
     return PaddedLogprobs(full_logps, full_entropy, plan.tokens, plan.run_tokens)
+
+
+def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, *, mode: str = "token_truncate",
+                     cap: float | None = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The truncated importance ratio of the behaviour-policy correction, as TRL's vLLM path computes it,
+    and its figures.
+
+    `old` and `sampling` are (B, C) log-probs of the sampled tokens under the trainer and under the engine
+    (NaN where the engine gave none: ratio 1 there). Returns the ratio, (B, C) for `token_truncate` or (B, 1)
+    for `sequence_truncate`, clamped at `cap`, and a (7,) tensor of sums for logging: sum, count and max of
+    |old - sampling| over the masked tokens with a value; min, sum, count and max of the ratio (over the
+    masked tokens, or the rows)."""
+    if mode not in ("token_truncate", "sequence_truncate"):
+        raise ValueError(f"mode must be token_truncate or sequence_truncate, got {mode!r}")
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode == "sequence_truncate":
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if cap is not None:
+        ratio = ratio.clamp(max=cap)
+    delta = (old - sampling).abs()
+    delta = delta[mask.bool() & ~torch.isnan(delta)]
+    flat = ratio.flatten() if mode == "sequence_truncate" else ratio[mask.bool()]
+    inf = torch.tensor(float("inf"))
+    stats = torch.stack([
+        delta.sum().float().cpu(), torch.tensor(float(delta.numel())),
+        delta.max().float().cpu() if delta.numel() else -inf,
+        flat.min().float().cpu() if flat.numel() else inf, flat.sum().float().cpu(),
+        torch.tensor(float(flat.numel())), flat.max().float().cpu() if flat.numel() else -inf])
+    return ratio, stats
