@@ -2,15 +2,16 @@
 
 `vllm_backend` is the one vLLM engine of the test session: starting one takes about a minute, so every
 test that needs vLLM generation should take it from here (the engine factory also returns this same
-engine to any code under test that asks for `BackendConfig(kv_cache_gib=1)`, e.g. `eviback eval
---kv-cache-gib 1` run in-process). Its KV cache is kept small (1 GiB) for a shared CI machine."""
+engine to any code under test that asks for `BackendConfig(kv_cache_gib=0.75)`, e.g. `eviback eval
+--kv-cache-gib 0.75` run in-process). Its KV cache is kept small (0.75 GiB, a fraction of a GiB as the
+training runs plan it) for a shared CI machine."""
 
 from __future__ import annotations
 
 import pytest
 
 # The configuration of the session's engine; code under test that asks for the same gets the same engine.
-TEST_KV_CACHE_GIB = 1
+TEST_KV_CACHE_GIB = 0.75
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ class VllmConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
     dtype: str = field(default="bfloat16", metadata={"help": "bfloat16 (2x faster than float32 on CPUs with avx512_bf16), float32, float16"})
     max_model_len: int = field(default=4096, metadata={"help": "longest prompt + completion (the rollout's context cap must fit)"})
-    kv_cache_gib: float | None = field(default=None, metadata={"help": "CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); None: that variable, else 2"})
+    kv_cache_gib: float | None = field(default=None, metadata={"help": "CPU KV cache in GiB, fractions allowed (None: $VLLM_CPU_KVCACHE_SPACE, else 2)"})
     gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU only: share of GPU memory vLLM may take"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences scheduled together"})
     seed: int = field(default=0, metadata={"help": "engine seed (vLLM takes it on the engine, not per request)"})
@@ -91,9 +91,9 @@ class VllmBackend:
         self.max_context = config.max_model_len
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach for the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        kv = config.kv_cache_gib if config.kv_cache_gib is not None else os.environ.get("VLLM_CPU_KVCACHE_SPACE", 2)
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv)) if float(kv).is_integer() else str(kv)
-        extra = {}
+        kv = float(config.kv_cache_gib if config.kv_cache_gib is not None
+                   else os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2)
+        extra: dict = {}
         if config.executor == "inprocess":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif config.executor == "external_launcher":
@@ -106,17 +106,24 @@ class VllmBackend:
         self._cpu = current_platform.is_cpu()
         if not self._cpu:
             extra["gpu_memory_utilization"] = config.gpu_memory_utilization
+        else:
+            # The KV cache in bytes: vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB and lets it override this,
+            # so the variable is hidden from the engine while it starts (a fraction of a GiB is allowed here).
+            extra["kv_cache_memory_bytes"] = int(kv * 1024 ** 3)
         log.info("starting vLLM (%s, %s, %s executor, KV cache %s GiB); this takes about a minute",
-                 config.model, config.dtype, config.executor, os.environ["VLLM_CPU_KVCACHE_SPACE"])
+                 config.model, config.dtype, config.executor, f"{kv:g}" if self._cpu else "auto")
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; in-process
         # that would silently take thread control from the trainer sharing it, so the original is put back.
         set_num_threads = torch.set_num_threads
         hide = config.executor != "multiprocess" and self._cpu
+        saved_kv = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if self._cpu else None
         with self._threads(), _modules_hidden(_unscannable_modules() if hide else []):
             try:
                 self.llm = self._start(path, extra)
             finally:
                 torch.set_num_threads = set_num_threads  # before _threads() restores the caller's count
+                if saved_kv is not None:
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_kv
         self._lock = threading.Lock()  # one generate/update at a time: the engine is not re-entrant
         self.rng = SamplerRNG(config.seed)  # in-process, the sampler draws from torch's default generator
 

@@ -12,9 +12,13 @@ the question and the evidence text of a Stage A request. The status is the label
 `eviback sft` refuses it): for each question, the evidence of real BM25 searches (the question, a shorter
 reformulation, and the question with its gold answer, which finds passages that state it), rendered and
 cut as the rollout engine renders and cuts an observation, plus a same-topic negative (the retrieved
-passages that do not hold the answer), plus the rollouts of any `--rollouts` dumps (e.g. the warm-started
-actor's rollouts on training questions). Each is labelled by the label rule, and the three labels are
-balanced (each capped at the smallest count times `balance_ratio`).
+passages that do not hold the answer), plus each of its first retrieved passages alone (what one passage
+does and does not state; `passages_per_question`), plus the rollouts of any `--rollouts` dumps (e.g. the
+warm-started actor's rollouts on training questions). Each is labelled by the label rule. The labels are
+balanced within single-hop and within multi-hop questions separately (each capped at the smallest count
+times `balance_ratio`), so that the kind of question does not give its label away (A labels exist only for
+multi-hop questions), and the loss weights labels by inverse frequency. Batches group examples of similar
+length (little padding).
 
 **The artifact** is a directory under `<eviback cache>/judges/` holding the model, its tokenizer,
 `judge.json` (the build config, example counts, held-out figures) and `policy.json`: the built-in two-stage
@@ -62,7 +66,7 @@ from eviback.types import Action, ActionKind, Passage, Question, Status, StopRea
 log = logging.getLogger(__name__)
 
 JUDGE_FORMAT = "eviback-evidence-judge"
-BUILDER_VERSION = 1  # bumped when the examples or the training change, so cached judges are rebuilt
+BUILDER_VERSION = 2  # bumped when the examples or the training change, so cached judges are rebuilt
 JUDGE_FILE = "judge.json"
 POLICY_FILE = "policy.json"
 LABELS = (Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT)  # the classifier's output order
@@ -86,7 +90,10 @@ class EvidenceJudgeConfig:
     max_questions: int = _help("training questions used (0: all)", default=0)
     topk: int = _help("passages per search, as the rollout engine retrieves", default=3)
     max_obs_tokens: int = _help("an observation is cut to this many actor tokens, as in the rollouts", default=300)
-    balance_ratio: float = _help("each label is capped at the smallest label's count times this", default=1.5)
+    passages_per_question: int = _help("retrieved passages of a question also used alone as evidence (each its "
+                                       "own example: what one passage does and does not state)", default=4)
+    balance_ratio: float = _help("within single-hop and within multi-hop questions, each label is capped at the "
+                                 "smallest label's count times this", default=1.5)
     heldout_share: float = _help("share of the training questions held out to report the judge's accuracy",
                                  default=0.15)
     base_model: str = _help("the encoder to fine-tune (default: the bundled all-MiniLM-L6-v2)", default="")
@@ -118,7 +125,8 @@ class JudgeExample:
     question: str
     evidence: str
     label: Status
-    source: str  # "search", "reformulated", "answer-search", "negative", "rollout"
+    source: str  # "search", "reformulated", "answer-search", "negative", "passage", "rollout"
+    multi_hop: bool = False  # the question's label asks for the support (eviback.teacher.labels.is_multi_hop)
 
 
 @dataclass(frozen=True)
@@ -150,14 +158,17 @@ def seen_trajectory(question: Question, passages: Sequence[Passage], tokenizer, 
 
 
 def _example(question: Question, seen: Sequence[SeenEvidence], source: str) -> JudgeExample | None:
+    from eviback.teacher.labels import is_multi_hop
+
     text = render_seen(seen).strip()
     if not text:
         return None
-    return JudgeExample(question.id, question.question, text, evidence_label(question, seen), source)
+    return JudgeExample(question.id, question.question, text, evidence_label(question, seen), source,
+                        is_multi_hop(question))
 
 
 def question_examples(question: Question, search: Callable[[str], list[Passage]], tokenizer,  # noqa: ANN001
-                      max_obs_tokens: int, topk: int = 3) -> list[JudgeExample]:
+                      max_obs_tokens: int, topk: int = 3, single_passages: int = 0) -> list[JudgeExample]:
     """The examples of one training question from real searches (see the module doc)."""
     from eviback.teacher.workflow import answer_in_evidence
     from eviback.train.warmstart_data import retry_query, search_query
@@ -188,6 +199,12 @@ def question_examples(question: Question, search: Callable[[str], list[Passage]]
         example = _example(question, evidence_as_seen(trajectory), "negative")
         if example is not None:
             out.append(example)
+    # single passages: the first `single_passages` of the pool in retrieval order, each alone as the evidence
+    for p in list(pool.values())[:single_passages]:
+        example = _example(question, evidence_as_seen(seen_trajectory(question, [p], tokenizer, max_obs_tokens)),
+                           "passage")
+        if example is not None:
+            out.append(example)
     return out
 
 
@@ -208,18 +225,23 @@ def is_heldout(question_id: str, share: float, seed: int) -> bool:
 
 
 def balance(examples: Sequence[JudgeExample], ratio: float, seed: int) -> list[JudgeExample]:
-    """Each label capped at the smallest present label's count times `ratio`, sampled with `seed`."""
-    by_label: dict[Status, list[JudgeExample]] = {s: [e for e in examples if e.label is s] for s in LABELS}
-    present = [len(v) for v in by_label.values() if v]
-    if not present:
-        return []
-    cap = max(1, int(min(present) * ratio))
+    """Within single-hop and within multi-hop questions, each label capped at the smallest present label's
+    count times `ratio`, sampled with `seed`. Balancing inside each kind keeps the question's kind from
+    predicting its label (only multi-hop questions have A labels: balanced over all examples, "multi-hop"
+    alone would say A)."""
     rng = random.Random(seed)
-    out = []
-    for label in LABELS:
-        chosen = list(by_label[label])
-        rng.shuffle(chosen)
-        out += chosen[:cap]
+    out: list[JudgeExample] = []
+    for multi_hop in (False, True):
+        kind = [e for e in examples if e.multi_hop is multi_hop]
+        by_label = {s: [e for e in kind if e.label is s] for s in LABELS}
+        present = [len(v) for v in by_label.values() if v]
+        if not present:
+            continue
+        cap = max(1, int(min(present) * ratio))
+        for label in LABELS:
+            chosen = list(by_label[label])
+            rng.shuffle(chosen)
+            out += chosen[:cap]
     rng.shuffle(out)
     return out
 
@@ -256,7 +278,7 @@ def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] 
         start = time.perf_counter()
         for i, q in enumerate(questions, start=1):
             examples += question_examples(q, lambda query: list(retriever.search([query], config.topk)[0]),
-                                          tokenizer, config.max_obs_tokens, config.topk)
+                                          tokenizer, config.max_obs_tokens, config.topk, config.passages_per_question)
             if i % 100 == 0 or i == len(questions):
                 progress(f"examples: {i}/{len(questions)} questions searched, {len(examples)} examples "
                          f"({time.perf_counter() - start:.0f}s)")
@@ -270,8 +292,13 @@ def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] 
     counts = {
         "questions": len(questions), "rollouts": len(rollouts),
         "examples": dict(Counter(e.label.value for e in examples)),
+        "by_kind": {kind: dict(Counter(e.label.value for e in examples if e.multi_hop is (kind == "multi_hop")))
+                    for kind in ("single_hop", "multi_hop")},
         "by_source": dict(Counter(e.source for e in examples)),
         "train_balanced": dict(Counter(e.label.value for e in balanced)),
+        "train_balanced_by_kind": {kind: dict(Counter(e.label.value for e in balanced
+                                                      if e.multi_hop is (kind == "multi_hop")))
+                                   for kind in ("single_hop", "multi_hop")},
         "heldout": dict(Counter(e.label.value for e in heldout)),
     }
     return balanced, heldout, counts
@@ -322,18 +349,22 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / max(1, total - warmup))))
     rng = random.Random(config.seed)
+    # Labels weighted by inverse frequency: the balance within each kind of question leaves A rarer overall.
+    counts = Counter(e.label for e in train)
+    weights = torch.tensor([len(train) / (len(counts) * counts[s]) if counts[s] else 0.0 for s in LABELS])
+    lengths = [len(tokenizer(e.question, e.evidence, truncation="only_second", max_length=config.max_length)
+                   ["input_ids"]) for e in train]
     start = time.perf_counter()
     losses = []
     step = 0
     while step < total:
-        rng.shuffle(order)
-        for at in range(0, len(order), config.batch_size):
+        for batch_ids in length_batches(order, lengths, config.batch_size, rng):
             if step >= total:
                 break
-            batch = [train[i] for i in order[at: at + config.batch_size]]
+            batch = [train[i] for i in batch_ids]
             inputs = _encode(tokenizer, [e.question for e in batch], [e.evidence for e in batch], config.max_length)
             labels = torch.tensor([index[e.label] for e in batch])
-            loss = torch.nn.functional.cross_entropy(model(**inputs).logits, labels)
+            loss = torch.nn.functional.cross_entropy(model(**inputs).logits, labels, weight=weights)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -351,6 +382,21 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     tokenizer.save_pretrained(out)
     return {"steps": total, "seconds": round(time.perf_counter() - start, 1), "first_loss": losses[0],
             "last_loss": sum(losses[-20:]) / len(losses[-20:]), "base_model": base}
+
+
+def length_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, rng: random.Random,
+                   window: int = 50) -> list[list[int]]:
+    """One epoch's batches: a shuffle, then within windows of `window` batches the examples sorted by length
+    (little padding in each batch), then the batches shuffled."""
+    order = list(order)
+    rng.shuffle(order)
+    span = batch_size * window
+    batches = []
+    for at in range(0, len(order), span):
+        chunk = sorted(order[at: at + span], key=lambda i: lengths[i])
+        batches += [chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def model_sha256(directory: Path) -> str:

@@ -1,6 +1,6 @@
 """Memory planning for a training run: how large the generation engine's KV cache needs to be.
 
-vLLM's CPU engine allocates its KV cache up front (`VLLM_CPU_KVCACHE_SPACE`, 2 GiB unless told). A rollout
+vLLM's CPU engine allocates its KV cache up front (2 GiB unless told; `VLLM_CPU_KVCACHE_SPACE` in whole GiB). A rollout
 step needs far less than that for a small model: each of its sequences holds at most `max_context` tokens
 of keys and values. The cache is sized to one step's sequences
 at full length, with headroom, within a floor and a ceiling; more concurrent sequences (e.g. a held-out
@@ -18,15 +18,15 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 
 
 def kv_cache_gib(sequences: int, max_context: int, bytes_per_token: int, *, headroom: float = 1.5,
-                 floor_gib: int = 1, ceiling_gib: int = 2) -> int:
-    """Whole GiB of KV cache (vLLM's CPU setting is an integer) for `sequences` concurrent sequences of up to
-    `max_context` tokens, times `headroom`, rounded up and kept within [floor_gib, ceiling_gib].
+                 step_gib: float = 0.25, floor_gib: float = 0.5, ceiling_gib: float = 2.0) -> float:
+    """GiB of KV cache for `sequences` concurrent sequences of up to `max_context` tokens, times `headroom`,
+    rounded up to a multiple of `step_gib` and kept within [floor_gib, ceiling_gib].
 
     SmolLM2-135M (30 layers, 3 KV heads of 64, bf16) takes 23,040 bytes per token: the demo's 8 rollouts x
-    1,592 tokens need 0.27 GiB (1 GiB planned, instead of vLLM's 2); `eviback train`'s defaults, 20 x 3,012
+    1,592 tokens need 0.27 GiB (0.5 GiB planned, instead of vLLM's 2); `eviback train`'s defaults, 20 x 3,012
     tokens, 1.29 GiB (2 GiB planned)."""
     need = sequences * max_context * bytes_per_token * headroom / GIB
-    return int(min(ceiling_gib, max(floor_gib, -(-need // 1))))
+    return min(ceiling_gib, max(floor_gib, -(-need // step_gib) * step_gib))
 
 
 def model_kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int | None:
@@ -48,7 +48,7 @@ def model_kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int | None
         return None
 
 
-def rollout_kv_cache_gib(sequences: int, max_context: int, model_dir: str) -> int | None:
+def rollout_kv_cache_gib(sequences: int, max_context: int, model_dir: str) -> float | None:
     """The KV cache for a run's rollout engine (see :func:`kv_cache_gib`); None (the engine's own default)
     when `VLLM_CPU_KVCACHE_SPACE` is set by the user or the model's shape cannot be read."""
     import os
