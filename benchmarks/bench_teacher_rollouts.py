@@ -7,7 +7,8 @@ Writes two JSONL dumps of trajectories (token traces dropped), read by bench_tea
 bench_teacher_signal.py and by `eviback judge` / `eviback build-judge --rollouts`:
 
 - `train_groups.jsonl`: G rollouts (temperature 1, the training setting) on a seeded sample of the embedded
-  suite's *training* questions (a question of an evaluation file is refused);
+  suite's *training* questions (a question of an evaluation file is refused); with `--unseen-by-judge`,
+  only those an evidence judge held out of its training;
 - `heldout.jsonl`: rollouts on the embedded suite's held-out questions (NQ and PopQA dev splits, HotpotQA,
   2WikiMultiHopQA and MuSiQue dev questions with their contexts), `--heldout-group` per question.
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-obs-tokens", type=int, default=300)
     parser.add_argument("--batch-questions", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unseen-by-judge", type=Path, metavar="JUDGE_DIR",
+                        help="train groups only on the training questions this evidence judge held out of its "
+                             "training (read from its judge.json), so that measuring it on them is fair")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -55,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     train = [q for path in training_files(suite) for q in read_questions(path)]
     check_no_eval_overlap(train, suite)
+    if args.unseen_by_judge:
+        from eviback.teacher.evidence_judge import JUDGE_FILE, is_heldout
+
+        built = json.loads((args.unseen_by_judge / JUDGE_FILE).read_text())["config"]
+        train = [q for q in train if is_heldout(q.id, built["heldout_share"], built["seed"])]
     rng.shuffle(train)
     train = train[: args.train_questions]
     heldout = []

@@ -90,3 +90,11 @@ def test_a_judge_changed_after_its_build_is_refused(judge, tmp_path):
         EvidenceJudgeClient(copy, judge.sha256)
     load_judge(judge.path)
     assert open_classifier(CLASSIFIER_PREFIX + judge.sha256).classify([("q", "e")])[0] in Status
+
+
+def test_the_build_uses_single_passages_and_balances_each_kind_of_question(judge):
+    counts = json.loads((judge.path / "judge.json").read_text())["counts"]
+    assert counts["by_source"].get("passage", 0) > 0
+    for kind, labels in counts["train_balanced_by_kind"].items():
+        if labels:  # within a kind, no label exceeds 1.5 x the rarest
+            assert max(labels.values()) <= int(min(labels.values()) * 1.5), kind

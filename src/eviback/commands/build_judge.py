@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-files", nargs="+", default=[], metavar="NAME",
                         help=fields["train_files"]["help"])
     parser.add_argument("--rollouts", nargs="+", default=[], metavar="DUMP", help=fields["rollouts"]["help"])
-    for name in ("max_questions", "topk", "max_obs_tokens", "max_length", "batch_size", "seed"):
+    for name in ("max_questions", "topk", "max_obs_tokens", "passages_per_question", "max_length", "batch_size",
+                 "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                             help=f"{fields[name]['help']} (default: %(default)s)")
     for name in ("balance_ratio", "heldout_share", "epochs", "learning_rate"):
@@ -48,7 +49,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJud
     return EvidenceJudgeConfig(
         data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts),
         max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
-        balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
+        passages_per_question=args.passages_per_question, balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
         max_length=args.max_length, epochs=args.epochs, batch_size=args.batch_size,
         learning_rate=args.learning_rate, seed=args.seed, threads=args.threads, output=args.output,
         force=args.force)

@@ -1,0 +1,38 @@
+"""The evidence judge's example sampling and batching (pure functions; the build itself is in
+test_evidence_judge.py)."""
+
+import random
+from collections import Counter
+
+from eviback.teacher.evidence_judge import JudgeExample, balance, length_batches
+from eviback.types import Status
+
+S, A, NO = Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT
+
+
+def _examples(multi_hop: bool, counts: dict[Status, int]) -> list[JudgeExample]:
+    return [JudgeExample(f"{multi_hop}-{label.value}-{i}", "q", "e", label, "search", multi_hop)
+            for label, n in counts.items() for i in range(n)]
+
+
+def test_labels_are_balanced_within_each_kind_of_question():
+    """Multi-hop questions are the only ones with A labels: balancing over all examples would leave
+    'multi-hop' predicting A. Within each kind, every label is capped at the rarest one's count x ratio."""
+    examples = _examples(False, {S: 300, NO: 500}) + _examples(True, {S: 20, A: 200, NO: 90})
+    chosen = balance(examples, ratio=1.5, seed=0)
+    single = Counter(e.label for e in chosen if not e.multi_hop)
+    multi = Counter(e.label for e in chosen if e.multi_hop)
+    assert single == {S: 300, NO: 450}
+    assert multi == {S: 20, A: 30, NO: 30}
+    assert balance(examples, ratio=1.5, seed=0) == chosen  # seeded
+    assert balance([], ratio=1.5, seed=0) == []
+
+
+def test_length_batches_cover_the_epoch_once_with_similar_lengths():
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 300) for _ in range(1000)]
+    batches = length_batches(range(1000), lengths, batch_size=16, rng=random.Random(1))
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(1000)) and all(len(b) <= 16 for b in batches)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded < 1.15 * sum(lengths)  # vs ~1.8x for random batches of these lengths
