@@ -280,7 +280,7 @@ def test_deferred_old_logprobs_give_trls_step(tmp_path):
     tokenizer = load_tokenizer(path)
 
     def one_step(defer: bool):  # noqa: ANN202
-        logged, passes = [], []
+        logged, passes, given = [], [], []
 
         class Logs(TrainerCallback):
             def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
@@ -291,6 +291,10 @@ def test_deferred_old_logprobs_give_trls_step(tmp_path):
                 if model is self.model and not torch.is_grad_enabled():
                     passes.append(1)
                 return super()._per_token_logps(model, *args, **kwargs)
+
+            def _compute_loss(self, model, inputs):  # noqa: ANN001, ANN202
+                given.append("old_per_token_logps" in inputs)  # TRL's way: the old pass's log-probs
+                return super()._compute_loss(model, inputs)
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         engine = RolloutEngine(AlternatingBackend(tokenizer), FixedRetriever(),
@@ -306,11 +310,12 @@ def test_deferred_old_logprobs_give_trls_step(tmp_path):
             train_dataset=training_dataset(QUESTIONS), processing_class=tokenizer, callbacks=[Logs()])
         trainer.defer_old_logps = defer
         trainer.train()
-        return next(e for e in logged if "loss" in e), len(passes), dict(model.named_parameters())
+        return next(e for e in logged if "loss" in e), len(passes), dict(model.named_parameters()), given
 
-    theirs, their_passes, their_weights = one_step(defer=False)
-    ours, our_passes, our_weights = one_step(defer=True)
+    theirs, their_passes, their_weights, their_inputs = one_step(defer=False)
+    ours, our_passes, our_weights, our_inputs = one_step(defer=True)
     assert (their_passes, our_passes) == (1, 0)
+    assert their_inputs == [True, True] and our_inputs == [False, False]
     keys = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
             "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
             "sampling/importance_sampling_ratio/max", "loss", "grad_norm"]

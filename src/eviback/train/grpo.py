@@ -215,11 +215,12 @@ class EviBackTrainer(GRPOTrainer):
                                "this adapter is written for trl==1.16.0")
         self._pending = [self.questions_by_id[ids[i]] for i in starts]
         self._sync_s = 0.0
-        self._skip_old_pass = self._can_defer_old_logps()
+        can_defer = self._skip_old_pass = self._can_defer_old_logps()
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            deferred, self._skip_old_pass = not self._skip_old_pass, False
+            # deferred: TRL asked for the old pass and got the placeholder
+            deferred, self._skip_old_pass = can_defer and not self._skip_old_pass, False
         if deferred:
             # The old log-probs are the loss pass's own (see `_defer_old_logps`): drop the placeholder, so
             # that TRL's loss takes `per_token_logps.detach()`; the importance ratio is filled in there.
