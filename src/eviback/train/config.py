@@ -75,8 +75,8 @@ class TrainConfig:
     save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps (resume point)"})
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
     micro_batch_rows: int = field(default=0, metadata={"help": "rollouts per forward/backward pass of the update "
-                                  "(0: one group, G); fewer rows, less activation memory, same loss and gradient; "
-                                  "must divide questions_per_step x group_size"})
+                                  "(0: 1 on CPU, one group of G on GPU); fewer rows, less activation memory, same "
+                                  "loss and gradient; must divide questions_per_step x group_size"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward "
                                          "pass: saves memory on large models, costs ~30% time"})
     dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype: bfloat16 (CPU: a bf16 model "
