@@ -126,7 +126,7 @@ class TrainConfig:
         rollouts = self.questions_per_step * self.group_size
         if self.micro_batch_rows < 0 or (self.micro_batch_rows and rollouts % self.micro_batch_rows):
             raise ValueError(f"micro_batch_rows={self.micro_batch_rows} must divide questions_per_step x group_size "
-                             f"= {rollouts} (0: one group per micro-batch)")
+                             f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
 

@@ -369,7 +369,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     args = GRPOConfig(
         output_dir=str(run.checkpoints),
         # One optimiser step per generation batch (questions_per_step groups), scored in micro-batches of
-        # `micro_batch_rows` rollouts (default: one group).
+        # `rows` rollouts.
         per_device_train_batch_size=rows,
         gradient_accumulation_steps=config.questions_per_step * config.group_size // rows,
         num_generations=config.group_size,
