@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from eviback.teacher.chat import ChatMessage, ChatReply
+from teacher_fakes import LocalHttpServer, send_json
 
 
 class ScriptedController:
@@ -39,7 +40,7 @@ class ScriptedController:
         pass
 
 
-class ReplayChatServer:
+class ReplayChatServer(LocalHttpServer):
     """A real OpenAI-compatible chat server on 127.0.0.1 that replays `replies` (free text) in call order, the
     last one repeating; `bodies` records every request body it received. Use as a context manager."""
 
@@ -54,39 +55,16 @@ class ReplayChatServer:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802
-                self._send(200, {"object": "list", "data": [{"id": "replay", "object": "model"}]})
+                send_json(self, 200, json.dumps({"object": "list", "data": [{"id": "replay", "object": "model"}]}))
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with server._lock:
                     server.bodies.append(body)
                     text = server.replies[min(len(server.bodies), len(server.replies)) - 1]
-                self._send(200, {"id": f"replay-{len(server.bodies)}", "object": "chat.completion", "model": "replay",
-                                 "choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": text}}],
-                                 "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+                send_json(self, 200, json.dumps({
+                    "id": f"replay-{len(server.bodies)}", "object": "chat.completion", "model": "replay",
+                    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}))
 
-            def _send(self, code: int, doc: dict) -> None:
-                data = json.dumps(doc).encode("utf-8")
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/v1"
-
-    def __enter__(self) -> ReplayChatServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._serve(Handler)

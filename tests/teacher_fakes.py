@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self
 
 from eviback.teacher.chat import ChatReply, ChatRequest
 from eviback.teacher.policy import OutputField
@@ -85,7 +86,47 @@ class Fault(enum.StrEnum):
     NO_SCHEMA = "no_schema"  # HTTP 400 to any request asking for structured output; prose+JSON otherwise
 
 
-class FaultyChatServer:
+class LocalHttpServer:
+    """A real HTTP server on 127.0.0.1, serving a handler class on a free port in a daemon thread (the chat
+    servers of the tests). Subclasses call `_serve(Handler)` in `__init__`; `base_url` ends in /v1. Use as a
+    context manager."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._server = _Server(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def send_json(handler: BaseHTTPRequestHandler, code: int, text: str) -> None:
+    """Answer a request with `text` as JSON; a client that has already gone (a timeout) is not an error."""
+    data = text.encode("utf-8", "replace")
+    try:
+        handler.send_response(code)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+class FaultyChatServer(LocalHttpServer):
     """An OpenAI-compatible server on 127.0.0.1 that answers every chat call with `fault`. Use as a
     context manager; `base_url` ends in /v1; `calls` counts chat requests received."""
 
@@ -135,36 +176,13 @@ class FaultyChatServer:
                     self._send(200, _envelope(_ok_content(body)))
 
             def _send(self, code: int, text: str) -> None:
-                data = text.encode("utf-8", "replace")
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout): expected for HANG
+                send_json(self, code, text)  # a client that gave up (timeout) is expected for HANG
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/v1"
-
-    def __enter__(self) -> FaultyChatServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._serve(Handler)
 
     def close(self) -> None:
         self._stop.set()  # release hanging handlers
-        self._server.shutdown()
-        self._server.server_close()
+        super().close()
 
 
 class _Server(ThreadingHTTPServer):
