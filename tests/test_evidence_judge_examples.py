@@ -36,3 +36,19 @@ def test_length_batches_cover_the_epoch_once_with_similar_lengths():
     assert sorted(flat) == list(range(1000)) and all(len(b) <= 16 for b in batches)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     assert padded < 1.15 * sum(lengths)  # vs ~1.8x for random batches of these lengths
+
+
+def test_the_build_key_names_the_base_model_by_content_not_by_location(tmp_path):
+    """A judge cached by one checkout is reused by another whose environment installs the same base model
+    elsewhere; other weights give another key."""
+    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_key
+
+    examples = [JudgeExample("q1", "q", "e", S, "search")]
+    keys = []
+    for where, weights in (("a", b"w1"), ("b", b"w1"), ("c", b"w2")):
+        base = tmp_path / where / "model"
+        base.mkdir(parents=True)
+        (base / "config.json").write_text("{}")
+        (base / "model.safetensors").write_bytes(weights)
+        keys.append(build_key(EvidenceJudgeConfig(base_model=str(base)), examples))
+    assert keys[0] == keys[1] != keys[2]

@@ -428,8 +428,12 @@ def judge_policy(sha256: str, base: TeacherPolicy | None = None) -> TeacherPolic
 
 def build_key(config: EvidenceJudgeConfig, examples: Sequence[JudgeExample]) -> str:
     """The cache key of a build: what the judge's content depends on."""
+    base = base_model_dir(config.base_model)
+    # the base model by content when it is a directory: the same weights installed elsewhere (another
+    # checkout's environment) give the same key, so the cached judge is reused
+    base_id = model_sha256(Path(base)) if Path(base).is_dir() else base
     material = json.dumps({
-        "builder": BUILDER_VERSION, "base_model": base_model_dir(config.base_model),
+        "builder": BUILDER_VERSION, "base_model": base_id,
         "train": {k: v for k, v in dataclasses.asdict(config).items()
                   if k in ("max_length", "epochs", "batch_size", "learning_rate", "seed")},
         "examples": hashlib.sha256("\n".join(json.dumps([e.question, e.evidence, e.label.value])
