@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from eviback.data import load_suite, read_questions
+from eviback.data import load_suite, read_questions, write_questions
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import render_observation
 from eviback.train import sft
@@ -298,6 +298,21 @@ def test_eval_overlap_and_eval_files_are_refused():
         wsd.check_no_eval_overlap([renamed], suite)
     with pytest.raises(ValueError, match="not a training file of the suite.*nq_train"):
         wsd.training_files(suite, ["nq"])
+
+
+def test_training_questions_that_share_an_evaluation_text_are_left_out(tmp_path, caplog):
+    """A release can hold the same question text about two entities, one in training, one held out: the
+    training side is left out with a warning, and training goes on with the rest."""
+    suite = load_suite()
+    held_out = read_questions(suite.eval["popqa"])[0]
+    train = [Question("twin", held_out.question, ("someone else",)), Question("fresh", "Who wrote Ulysses?", ("Joyce",))]
+    write_questions(tmp_path / "qa_train.jsonl", train)
+    (tmp_path / "suite.json").write_text(json.dumps({
+        "corpus": str(suite.corpus), "train": ["qa_train.jsonl"], "eval": {"popqa": str(suite.eval["popqa"])}}))
+    with caplog.at_level("WARNING"):
+        kept = wsd.read_training_questions(load_suite(tmp_path))
+    assert [q.id for q in kept] == ["fresh"]
+    assert "1 training question(s) left out" in caplog.text and "twin" in caplog.text
     with pytest.raises(ValueError, match="not a training file"):
         wsd.training_files(suite, [str(suite.eval["popqa"])])
     assert wsd.training_files(suite, ["popqa_train"]) == (suite.root / "qa/popqa_train.jsonl.gz",)

@@ -249,21 +249,14 @@ def balance(examples: Sequence[JudgeExample], ratio: float, seed: int) -> list[J
 def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] = log.info,
                    retriever=None) -> tuple[list[JudgeExample], list[JudgeExample], dict[str, Any]]:  # noqa: ANN001
     """(training examples, held-out examples, counts): from the suite's training questions only."""
-    from eviback.data import load_suite, read_questions
+    from eviback.data import load_suite
     from eviback.policy import load_tokenizer
     from eviback.teacher.judge import read_trajectories
     from eviback.train.sft import open_retriever
-    from eviback.train.warmstart_data import check_no_eval_overlap, training_files
+    from eviback.train.warmstart_data import check_no_eval_overlap, read_training_questions
 
     suite = load_suite(config.data)
-    questions: list[Question] = []
-    seen_ids: set[str] = set()
-    for path in training_files(suite, config.train_files):
-        for q in read_questions(path):
-            if q.id not in seen_ids:
-                seen_ids.add(q.id)
-                questions.append(q)
-    check_no_eval_overlap(questions, suite)
+    questions: list[Question] = read_training_questions(suite, config.train_files)
     if config.max_questions:
         rng = random.Random(config.seed)
         rng.shuffle(questions)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eviback.data import DataSuite, load_suite, read_questions
+from eviback.data import DataSuite, load_suite
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 
@@ -92,16 +92,9 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
 
 def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
     """The questions of the suite's training files (or the named ones), never an evaluation question."""
-    from eviback.train.warmstart_data import check_no_eval_overlap, training_files
+    from eviback.train.warmstart_data import read_training_questions
 
-    questions, seen = [], set()
-    for path in training_files(suite, names):
-        for q in read_questions(path):
-            if q.id not in seen:  # the same id in two files is one question
-                seen.add(q.id)
-                questions.append(q)
-    check_no_eval_overlap(questions, suite)
-    return questions
+    return read_training_questions(suite, names)
 
 
 def initial_policy(config: TrainConfig) -> str:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eviback.data import DataSuite, load_suite, read_questions
+from eviback.data import DataSuite, load_suite
 from eviback.policy import DEFAULT_MODEL, cache_dir, file_lock, load_tokenizer, resolve_model, set_threads
 from eviback.train import warmstart_data as wsd
 from eviback.types import to_dict
@@ -158,16 +158,8 @@ def open_retriever(spec: str | None, suite: DataSuite):  # noqa: ANN201 - a evib
 
 
 def training_questions(config: WarmStartConfig, suite: DataSuite) -> list:
-    """The questions of the chosen training files, checked against the suite's evaluation files."""
-    questions = []
-    seen: set[str] = set()
-    for path in wsd.training_files(suite, config.train_files):
-        for q in read_questions(path):
-            if q.id not in seen:  # the same id in two files is one question
-                seen.add(q.id)
-                questions.append(q)
-    wsd.check_no_eval_overlap(questions, suite)
-    return questions
+    """The questions of the chosen training files, none of them in the suite's evaluation files."""
+    return wsd.read_training_questions(suite, config.train_files)
 
 
 def build_training_set(config: WarmStartConfig, tokenizer, retriever=None):  # noqa: ANN001, ANN201

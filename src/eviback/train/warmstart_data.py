@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 import random
 import re
 from collections import Counter
@@ -99,6 +100,27 @@ def check_no_eval_overlap(questions: Iterable[Question], suite: DataSuite) -> No
             f"{len(leaked)} training question(s) also appear in the suite's evaluation files "
             f"(e.g. {leaked[:3]}); train only on the suite's `train` files, or remove these questions"
         )
+
+
+def read_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
+    """The questions of the suite's training files (or the named ones), each id once, never an evaluation
+    question: a training question whose id or text is also in an evaluation file is left out, with a warning
+    (a release can hold two questions of the same text about different entities, e.g. PopQA's "What is Will
+    Smith's occupation?" in both its training and its held-out split)."""
+    questions, seen = [], set()
+    for path in training_files(suite, names):
+        for q in read_questions(path):
+            if q.id not in seen:  # the same id in two files is one question
+                seen.add(q.id)
+                questions.append(q)
+    ids, texts = eval_question_keys(suite)
+    kept = [q for q in questions if q.id not in ids and normalize_answer(q.question) not in texts]
+    if len(kept) < len(questions):
+        left_out = [q.id for q in questions if q not in kept][:3]
+        logging.getLogger(__name__).warning(
+            "%d training question(s) left out: their id or text is also in the suite's evaluation files (e.g. %s)",
+            len(questions) - len(kept), left_out)
+    return kept
 
 
 def training_files(suite: DataSuite, names: Sequence[str] = ()) -> tuple:
@@ -567,6 +589,6 @@ def model_actions(trajectory: Trajectory) -> list[Action]:
 
 __all__ = [
     "BUILDER_VERSION", "ActionKind", "BuildReport", "ExampleKind", "WarmStartExample", "build_examples",
-    "cap_observation", "check_no_eval_overlap", "eval_question_keys", "find_answer", "ground", "labels_for",
+    "cap_observation", "check_no_eval_overlap", "eval_question_keys", "find_answer", "ground", "labels_for", "read_training_questions",
     "select_examples", "tokenize_trajectory", "training_files",
 ]
