@@ -13,7 +13,8 @@ import logging
 import sys
 
 # name -> module under eviback.commands; the order is the order of `eviback --help`
-COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "build-judge", "sft", "train", "ape", "report")
+COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "build-judge", "sft", "train", "experiment", "ape",
+            "report")
 
 
 def _load(name: str):

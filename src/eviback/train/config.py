@@ -82,6 +82,8 @@ class TrainConfig:
     dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype: bfloat16 (CPU: a bf16 model "
                        "with fp32 master weights; GPU: fp32 weights under accelerate's bf16 autocast) or float32"})
     seed: int = field(default=0, metadata={"help": "seed for sampling and data order"})
+    build_seed: int = field(default=0, metadata={"help": "seed of the cached warm start and evidence judge the run "
+                            "starts from; apart from `seed`, so that runs of several seeds share one starting point"})
     report_to: list[str] = field(default_factory=list, metadata={"help": "extra logging integrations of "
                                  "transformers (tensorboard, wandb, ...); metrics.jsonl is always written"})
     # ---- evaluation after training

@@ -108,7 +108,7 @@ def initial_policy(config: TrainConfig) -> str:
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
         max_examples=config.warm_start_examples, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
-        seed=config.seed,
+        seed=config.build_seed,
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
     # so that memory is given back before the engine, the trainer and the teacher load. The child saves the
@@ -172,7 +172,8 @@ def teacher_policy_ref(config: TrainConfig) -> str:
 
     judge = build_judge(EvidenceJudgeConfig(
         data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
-        epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens, seed=config.seed))
+        epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+        seed=config.build_seed))
     log.info("teacher: two-stage with the trained evidence judge %s as Stage A (teacher_stage_a=prompted "
              "keeps the prompted Stage A)", judge.sha256[:12])
     warn_if_uninformative(judge.path)

@@ -1,0 +1,151 @@
+"""The statistics of an experiment: item-paired differences between arms with bootstrap intervals, and the
+per-step training curves averaged over seeds. Pure functions over records; nothing here reads a file.
+
+The bootstrap resamples what varies between two repetitions of the experiment: the evaluation items
+(within each benchmark, so that every set keeps its size and the macro average its weights) and the seeds
+(within each arm). Both arms are scored on the same resampled items, which is what makes the difference
+paired: item difficulty cancels, and the interval measures what is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# per-item metrics of an evaluation record (eval/items.jsonl): the ones the paired differences are about
+ITEM_METRICS = ("f1", "em", "valid_answer", "searches")
+Key = tuple[str, str]  # (benchmark, question id)
+RunItems = Mapping[Key, Mapping[str, float]]
+
+# per-step training metrics drawn side by side (metrics.jsonl keys)
+CURVES = (
+    ("backoff/all_zero_share", "all-zero share"),
+    ("backoff/informative_fallback_share", "informative fallback share"),
+    ("rollout/f1", "training rollouts: F1"),
+    ("rollout/avg_searches", "training rollouts: searches"),
+    ("time/teacher", "teacher seconds per step"),
+    ("time/step", "step seconds"),
+)
+
+
+def item_scores(records: Sequence[Mapping[str, Any]]) -> dict[Key, dict[str, float]]:
+    """Per (benchmark, id), the item metrics of one evaluation's records."""
+    return {(r["benchmark"], str(r["id"])): {m: float(r[m]) for m in ITEM_METRICS} for r in records}
+
+
+def changed_share(run: Mapping[Key, str | None], start: Mapping[Key, str | None]) -> float:
+    """The share of items whose (normalised) final answer differs from the starting policy's: how far a run
+    moved the greedy policy, whether or not the scores moved."""
+    keys = [k for k in start if k in run]
+    return sum(run[k] != start[k] for k in keys) / len(keys) if keys else float("nan")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A difference (arm minus baseline) with its bootstrap percentile interval."""
+
+    diff: float
+    lo: float
+    hi: float
+    items: int
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.lo > 0 or self.hi < 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"diff": self.diff, "lo": self.lo, "hi": self.hi, "items": self.items,
+                "excludes_zero": self.excludes_zero}
+
+
+def _matrix(runs: Sequence[RunItems], keys: Sequence[Key], metric: str) -> np.ndarray:
+    return np.array([[run[k][metric] for k in keys] for run in runs], dtype=float)
+
+
+def common_keys(*arms: Sequence[RunItems]) -> list[Key]:
+    """The items every run was evaluated on; runs evaluated on different items cannot be paired."""
+    runs = [run for arm in arms for run in arm]
+    if not runs:
+        raise ValueError("no runs to compare")
+    first = set(runs[0])
+    for run in runs[1:]:
+        if set(run) != first:
+            missing = sorted(first ^ set(run))[:3]
+            raise ValueError(f"the runs were evaluated on different items (e.g. {missing}); evaluate every arm "
+                             "on the same held-out questions")
+    return sorted(first)
+
+
+def paired_bootstrap(arm: Sequence[RunItems], base: Sequence[RunItems], metric: str, *, samples: int = 2000,
+                     seed: int = 0) -> dict[str, Interval]:
+    """Arm minus baseline on `metric`, per benchmark and as the macro average over benchmarks ("macro"),
+    each with a 95% percentile interval over `samples` resamples of items (within benchmarks) and seeds
+    (within each arm)."""
+    keys = common_keys(arm, base)
+    a, b = _matrix(arm, keys, metric), _matrix(base, keys, metric)
+    by_benchmark: dict[str, list[int]] = defaultdict(list)
+    for i, (benchmark, _) in enumerate(keys):
+        by_benchmark[benchmark].append(i)
+    rng = np.random.default_rng(seed)
+    # seeds resampled per replicate, then averaged: (samples, items) per arm
+    a_rep = a[rng.integers(0, len(a), (samples, len(a)))].mean(axis=1)
+    b_rep = b[rng.integers(0, len(b), (samples, len(b)))].mean(axis=1)
+    out: dict[str, Interval] = {}
+    macro_rep = np.zeros(samples)
+    macro_point = 0.0
+    for benchmark, index in by_benchmark.items():
+        index = np.asarray(index)
+        picks = index[rng.integers(0, len(index), (samples, len(index)))]
+        rep = (np.take_along_axis(a_rep, picks, axis=1) - np.take_along_axis(b_rep, picks, axis=1)).mean(axis=1)
+        point = float(a[:, index].mean() - b[:, index].mean())
+        out[benchmark] = _interval(point, rep, len(index))
+        macro_rep += rep / len(by_benchmark)
+        macro_point += point / len(by_benchmark)
+    out["macro"] = _interval(macro_point, macro_rep, len(keys))
+    return out
+
+
+def _interval(point: float, replicates: np.ndarray, items: int) -> Interval:
+    lo, hi = np.percentile(replicates, [2.5, 97.5])
+    return Interval(point, float(lo), float(hi), items)
+
+
+def mean_curves(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> tuple[list[int], list[float]]:
+    """Per step, the mean of `key` over the runs (seeds) that logged it at that step."""
+    values: dict[int, list[float]] = defaultdict(list)
+    for records in runs:
+        for r in records:
+            if r.get(key) is not None and not (isinstance(r[key], float) and math.isnan(r[key])):
+                values[int(r["step"])].append(float(r[key]))
+    steps = sorted(values)
+    return steps, [sum(values[s]) / len(values[s]) for s in steps]
+
+
+def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, float]:
+    """Means over the steps of every seed of one arm: what training cost and what the teacher did."""
+    records = [r for run in runs for r in run]
+
+    def mean(key: str) -> float:
+        vals = [float(r[key]) for r in records if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    fallback = sum(r.get("backoff/fallback_groups", 0) for r in records)
+    informative = sum(r.get("backoff/informative_fallback_groups", 0) for r in records)
+    return {
+        "runs": len(runs), "steps": max((len(run) for run in runs), default=0),
+        "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "teacher_s": mean("time/teacher"),
+        "update_s": mean("time/update"), "peak_rss_gb": max((float(r.get("memory/peak_rss_gb") or 0)
+                                                             for r in records), default=0.0),
+        "train_f1": mean("rollout/f1"), "kl": mean("train/kl"), "all_zero_share": mean("backoff/all_zero_share"),
+        "fallback_groups": fallback, "informative_fallback_groups": informative,
+        "informative_fallback_share": informative / fallback if fallback else float("nan"),
+        "teacher_judged": sum(r.get("teacher/judged", 0) for r in records),
+        "teacher_errors": sum(r.get("teacher/errors", 0) for r in records),
+        "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)
+                                          for r in records) / max(1, sum(r.get("teacher/judged", 0) for r in records))),
+    }

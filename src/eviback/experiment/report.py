@@ -1,0 +1,228 @@
+"""The comparison of an experiment, from what `<out>` holds (the finished runs, whichever they are):
+
+    comparison.json   every number below
+    comparison.md     held-out tables (per set and macro), paired differences with 95% intervals, training cost
+    comparison.html   the same tables and the training curves, in one self-contained page
+    plots/curves.png  per-step curves of every arm (mean over its seeds)
+
+Redrawn after every finished run, and at any time with `eviback experiment CONFIG --report-only`.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from eviback.experiment.compare import (
+    CURVES,
+    ITEM_METRICS,
+    changed_share,
+    item_scores,
+    mean_curves,
+    paired_bootstrap,
+    training_summary,
+)
+from eviback.experiment.config import ExperimentConfig
+from eviback.experiment.run import DONE, START, run_dir
+from eviback.metrics import normalize_answer
+
+EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
+                ("duplicate_query_rate", "duplicate queries"), ("forced_termination_rate", "forced termination"))
+DIFF_LABELS = {"f1": "F1", "em": "EM", "valid_answer": "valid answer", "searches": "searches"}
+
+
+def _records(directory: Path) -> list[dict]:
+    with gzip.open(directory / "eval" / "items.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _items(directory: Path) -> dict:
+    return item_scores(_records(directory))
+
+
+def _answers(directory: Path) -> dict:
+    return {(r["benchmark"], str(r["id"])): normalize_answer(r["answer"]) if r["answer"] is not None else None
+            for r in _records(directory)}
+
+
+def _metrics(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _summary(directory: Path) -> dict:
+    return json.loads((directory / "eval" / "summary.json").read_text())
+
+
+def load_finished(config: ExperimentConfig) -> dict[str, list[tuple[int, Path]]]:
+    """Per arm, its finished runs (seed, directory), in the config's order; arms with none are left out."""
+    finished: dict[str, list[tuple[int, Path]]] = {}
+    for arm in config.arms:
+        runs = [(s, run_dir(config.out, arm.name, s)) for s in arm.seeds
+                if (run_dir(config.out, arm.name, s) / DONE).exists()]
+        if runs:
+            finished[arm.name] = runs
+    return finished
+
+
+def eval_rows(summaries: list[dict]) -> dict[str, dict[str, float]]:
+    """Per set and "macro", each metric averaged over the given runs' summaries (one per seed)."""
+    rows: dict[str, dict[str, float]] = {}
+    names = [b["name"] for b in summaries[0]["benchmarks"]]
+    for name in names:
+        per_seed = [next(b["metrics"] for b in s["benchmarks"] if b["name"] == name) for s in summaries]
+        rows[name] = {k: sum(m[k] for m in per_seed) / len(per_seed) for k, _ in EVAL_COLUMNS}
+    rows["macro"] = {k: sum(rows[n][k] for n in names) / len(names) for k, _ in EVAL_COLUMNS}
+    return rows
+
+
+def build(config: ExperimentConfig) -> dict[str, Any]:
+    """Every number of the comparison, from the finished runs."""
+    finished = load_finished(config)
+    start = config.out / START
+    result: dict[str, Any] = {"experiment": config.name, "steps": config.steps, "baseline": config.baseline,
+                              "arms": {}, "differences": {}}
+    if (start / DONE).exists():
+        result["warm_start"] = {"eval": eval_rows([_summary(start)])}
+    items = {arm: [_items(d) for _, d in runs] for arm, runs in finished.items()}
+    start_items = [_items(start)] if (start / DONE).exists() else []
+    start_answers = _answers(start) if start_items else {}
+    for arm, runs in finished.items():
+        metrics = [_metrics(d) for _, d in runs]
+        result["arms"][arm] = {
+            "seeds": [s for s, _ in runs],
+            "eval": eval_rows([_summary(d) for _, d in runs]),
+            "eval_per_seed": {str(s): eval_rows([_summary(d)])["macro"] for s, d in runs},
+            "training": training_summary(metrics),
+            "answers_changed": (sum(changed_share(_answers(d), start_answers) for _, d in runs) / len(runs)
+                                if start_answers else None),
+            "curves": {key: dict(zip(*mean_curves(metrics, key), strict=True)) for key, _ in CURVES},
+        }
+
+    def compare(label: str, a: list, b: list) -> None:
+        result["differences"][label] = {
+            m: {k: v.to_json() for k, v in paired_bootstrap(a, b, m, samples=config.bootstrap_samples,
+                                                            seed=config.bootstrap_seed).items()}
+            for m in ITEM_METRICS}
+
+    base = items.get(config.baseline)
+    for arm, arm_items in items.items():
+        if base is not None and arm != config.baseline:
+            compare(f"{arm} - {config.baseline}", arm_items, base)
+    if base is not None and len(base) >= 2:  # the noise floor: one seed of the baseline against another
+        seeds = [s for s, _ in finished[config.baseline]]
+        compare(f"{config.baseline} seed {seeds[1]} - {config.baseline} seed {seeds[0]}", base[1:2], base[:1])
+    if start_items:
+        for arm, arm_items in items.items():
+            compare(f"{arm} - warm start", arm_items, start_items)
+    return result
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every table, shared by the markdown and the HTML."""
+    tables = []
+    rows = []
+    reference = {"warm start": result["warm_start"]["eval"]} if "warm_start" in result else {}
+    policies = {**reference, **{f"{a} (mean of {len(r['seeds'])})": r["eval"] for a, r in result["arms"].items()}}
+    for name, sets in policies.items():
+        for split, m in sets.items():
+            rows.append([name, split, *(_f(m[k]) for k, _ in EVAL_COLUMNS)])
+    tables.append(("Held-out evaluation (greedy), per set and macro average", ["policy", "set",
+                   *(label for _, label in EVAL_COLUMNS)], rows))
+    seed_rows = [[a, s, *(_f(m[k]) for k, _ in EVAL_COLUMNS)] for a, r in result["arms"].items()
+                 for s, m in r["eval_per_seed"].items()]
+    tables.append(("Held-out macro average of every run", ["arm", "seed", *(label for _, label in EVAL_COLUMNS)],
+                   seed_rows))
+    diff_rows = []
+    for label, per_metric in result["differences"].items():
+        cells = []
+        for m in ITEM_METRICS:
+            d = per_metric[m]["macro"]
+            mark = " *" if d["excludes_zero"] else ""
+            cells.append(f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{mark}")
+        diff_rows.append([label, str(per_metric["f1"]["macro"]["items"]), *cells])
+    tables.append(("Paired differences on the same items, macro average, 95% bootstrap interval over items and "
+                   "seeds (* : the interval excludes 0)", ["comparison", "items",
+                                                         *(DIFF_LABELS[m] for m in ITEM_METRICS)], diff_rows))
+    cost = []
+    for a, r in result["arms"].items():
+        t = r["training"]
+        cost.append([a, str(t["runs"]), str(t["steps"]), _f(t["step_s"], 1), _f(t["rollout_s"], 1),
+                     _f(t["update_s"], 1), _f(t["teacher_s"], 1), _f(t["peak_rss_gb"], 2), _f(t["train_f1"]),
+                     _f(t["kl"], 4), _f(r["answers_changed"], 3), _f(t["all_zero_share"], 2),
+                     f"{t['informative_fallback_groups']} / {t['fallback_groups']}", str(t["teacher_judged"]), str(t["teacher_errors"]), _f(t["teacher_tokens_per_judged"], 0)])
+    tables.append(("Training (means over steps and seeds)", [
+        "arm", "runs", "steps", "step s", "rollout s", "update s", "teacher s", "peak RSS GB", "train F1",
+        "KL", "held-out answers changed vs warm start", "all-zero share", "informative / fallback groups",
+        "teacher judged", "teacher errors", "teacher tokens / judged"], cost))
+    return tables
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Experiment {result['experiment']}: {result['steps']} steps per run, baseline "
+             f"{result['baseline']}", ""]
+    for title, header, rows in _tables(result):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+    return "\n".join(lines)
+
+
+def plot_curves(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=False):
+        for i, (arm, r) in enumerate(result["arms"].items()):
+            curve = r["curves"].get(key) or {}
+            if curve:
+                ax.plot([int(s) for s in curve], list(curve.values()), color=f"C{i}", marker="o", markersize=2,
+                        label=arm)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def page(result: dict[str, Any], png: Path) -> str:
+    body = ["<!doctype html><meta charset='utf-8'>",
+            f"<title>eviback experiment {html.escape(result['experiment'])}</title>",
+            "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;"
+            "margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px}</style>",
+            f"<h1>Experiment {html.escape(result['experiment'])}: {result['steps']} steps per run</h1>"]
+    for title, header, rows in _tables(result):
+        body.append(f"<h2>{html.escape(title)}</h2><table><tr>"
+                    + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+        body += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+        body.append("</table>")
+    image = base64.b64encode(png.read_bytes()).decode()
+    body.append(f"<h2>Training curves (mean over seeds)</h2><img style='max-width:100%' "
+                f"src='data:image/png;base64,{image}'>")
+    return "\n".join(body)
+
+
+def write_comparison(config: ExperimentConfig) -> list[Path]:
+    """Write the comparison files of whatever runs have finished; returns their paths."""
+    result = build(config)
+    out = config.out
+    paths = [out / "comparison.json", out / "comparison.md", out / "plots" / "curves.png", out / "comparison.html"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(markdown(result))
+    plot_curves(result, paths[2])
+    paths[3].write_text(page(result, paths[2]), encoding="utf-8")
+    return paths

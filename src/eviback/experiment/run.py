@@ -1,0 +1,189 @@
+"""Running an experiment: the warm start's evaluation, then every (arm, seed) run, one after the other.
+
+Each run trains in its own `eviback train` process (so peak memory is per run, and a crash is one run's),
+in `<work>/<arm>/seed-<seed>/` with its checkpoints. When it has finished (trained and evaluated), what is
+worth keeping is copied to `<out>/<arm>/seed-<seed>/` and marked done:
+
+    config.yaml  metrics.jsonl  groups.jsonl.gz  teacher.json  eval/summary.json  eval/items.jsonl.gz  done.json
+
+so that `<out>` holds every number of the comparison and no checkpoint. A done run is never redone; an
+interrupted one resumes from its last checkpoint (`eviback train --resume`). With `commit`, each finished
+run and the refreshed comparison are committed to git at once, so an interrupted experiment loses at most
+the run in progress.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from eviback.experiment.config import Arm, ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+DONE = "done.json"
+START = "warm-start"
+
+
+def run_dir(root: Path, arm: str, seed: int) -> Path:
+    return root / arm / f"seed-{seed}"
+
+
+def is_done(config: ExperimentConfig, arm: str, seed: int) -> bool:
+    return (run_dir(config.out, arm, seed) / DONE).exists()
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+
+def train_run(config: ExperimentConfig, arm: Arm, seed: int) -> Path:
+    """Train and evaluate one run in its own process (resuming it when its directory exists)."""
+    work = run_dir(config.work_dir, arm.name, seed)
+    settings = config.train_config(arm, seed).to_dict()
+    work.parent.mkdir(parents=True, exist_ok=True)
+    settings_file = work.parent / f"seed-{seed}.yaml"
+    settings_file.write_text(yaml.safe_dump(settings, sort_keys=False))
+    command = [*(config.launch or (sys.executable, "-m")), "eviback.cli", "train", "--preset", arm.preset,
+               "--config", str(settings_file), "--output", str(work)]
+    if (work / "config.yaml").exists():
+        command.append("--resume")
+    log.info("run %s seed %d: %s", arm.name, seed, " ".join(command))
+    subprocess.run(command, check=True, env=_child_env())
+    return work
+
+
+def _hide_data_path(text: str, data: str | None) -> str:
+    """A kept file names the data suite as $DATA, not by this machine's path (the files' hashes are in
+    experiment.yaml)."""
+    if not data:
+        return text
+    for form in sorted({data, str(Path(data).resolve())}, key=len, reverse=True):
+        text = text.replace(form, "$DATA")
+    return text
+
+
+def keep(work: Path, target: Path, extra: dict, data: str | None = None) -> None:
+    """Copy what a finished run leaves worth keeping (no checkpoints, no model) and mark it done, last."""
+    if not (work / "eval" / "summary.json").exists():
+        raise RuntimeError(f"{work} has no held-out evaluation (eval/summary.json): the run did not finish")
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "eval").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl", "teacher.json", "eval/summary.json"):
+        if (work / name).exists():
+            (tmp / name).write_text(_hide_data_path((work / name).read_text(), data))
+    for source, dest in ((work / "groups.jsonl", tmp / "groups.jsonl.gz"),
+                         (work / "eval" / "items.jsonl", tmp / "eval" / "items.jsonl.gz")):
+        if source.exists():
+            with source.open("rb") as f, gzip.GzipFile(dest, "wb", mtime=0) as g:
+                shutil.copyfileobj(f, g)
+    (tmp / DONE).write_text(json.dumps(extra, indent=2) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def evaluate_start(config: ExperimentConfig) -> Path:
+    """The common starting point (the cached warm start of the baseline's first seed; every run shares it)
+    on the same held-out questions, in its own process; kept in `<out>/warm-start/`."""
+    target = config.out / START
+    if (target / DONE).exists():
+        return target
+    baseline = config.arm(config.baseline)
+    train = config.train_config(baseline, baseline.seeds[0])
+    work = config.work_dir / START
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.yaml").write_text(yaml.safe_dump(train.to_dict(), sort_keys=False))
+    code = f"from eviback.experiment.run import _evaluate_start_child; _evaluate_start_child({str(work)!r})"
+    log.info("evaluating the warm start on the held-out questions (%s x %d)", ", ".join(config.eval_benchmarks),
+             config.eval_limit)
+    subprocess.run([sys.executable, "-c", code], check=True, env=_child_env())
+    keep(work, target, {"run": START, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, config.settings.get("data"))
+    return target
+
+
+def _evaluate_start_child(work: str) -> None:
+    from eviback.cli import configure_logging
+    from eviback.evaluate import run_eval
+    from eviback.train.config import TrainConfig
+    from eviback.train.runner import held_out_eval_config, initial_policy
+
+    configure_logging(logging.INFO)
+    config = TrainConfig(**yaml.safe_load((Path(work) / "config.yaml").read_text()))
+    run_eval(held_out_eval_config(config, Path(work) / "eval", initial_policy(config)))
+
+
+def commit(paths: list[Path], message: str) -> None:
+    """Commit `paths` (and nothing else) to the git repository they are in."""
+    subprocess.run(["git", "add", "--", *map(str, paths)], check=True)
+    staged = subprocess.run(["git", "diff", "--cached", "--quiet", "--", *map(str, paths)], check=False)
+    if staged.returncode == 0:
+        return  # nothing changed
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", *map(str, paths)], check=True)
+
+
+def run_experiment(config: ExperimentConfig, *, only: tuple[str, ...] = (), git_commit: bool = False,
+                   report: Callable[[ExperimentConfig], list[Path]] | None = None) -> list[tuple[str, int]]:
+    """Every run not yet done (of the arms in `only`, when given), then the comparison after each.
+    Returns the (arm, seed) runs done by this call."""
+    for name in only:
+        config.arm(name)  # raises on an unknown arm
+    if git_commit:
+        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], capture_output=True, text=True)
+        if inside.stdout.strip() != "true":
+            raise ValueError("--commit needs the results directory inside a git work tree")
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "experiment.yaml").write_text(yaml.safe_dump(spec_of(config), sort_keys=False))
+    evaluate_start(config)
+    if git_commit:
+        commit([config.out / "experiment.yaml", config.out / START], f"experiment {config.name}: the warm start "
+               "evaluated on the held-out questions")
+    todo = [(arm, seed) for arm, seed in config.runs() if (not only or arm.name in only)
+            and not is_done(config, arm.name, seed)]
+    done: list[tuple[str, int]] = []
+    for i, (arm, seed) in enumerate(todo, 1):
+        log.info("experiment %s: run %d/%d: %s seed %d", config.name, i, len(todo), arm.name, seed)
+        started = time.monotonic()
+        work = train_run(config, arm, seed)
+        target = run_dir(config.out, arm.name, seed)
+        keep(work, target, {"arm": arm.name, "preset": arm.preset, "seed": seed, "steps": config.steps,
+                            "wall_s": round(time.monotonic() - started, 1),
+                            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, config.settings.get("data"))
+        done.append((arm.name, seed))
+        written = [target]
+        if report is not None:
+            written += report(config)
+        if git_commit:
+            commit(written, f"experiment {config.name}: {arm.name} seed {seed} ({config.steps} steps) and the "
+                   "refreshed comparison")
+    return done
+
+
+def spec_of(config: ExperimentConfig) -> dict:
+    """The experiment as it ran (every default filled in), kept beside its results. The data suite is named by
+    its files' hashes, not by this machine's path."""
+    from eviback.data import file_sha256, load_suite
+
+    settings = dict(config.settings)
+    suite = load_suite(settings.get("data"))
+    files = [suite.corpus, *suite.train, *suite.eval.values()]
+    if settings.get("data"):
+        settings["data"] = "$DATA"
+    return {"name": config.name, "out": str(config.out), "steps": config.steps, "baseline": config.baseline,
+            "settings": settings, "eval": {"benchmarks": list(config.eval_benchmarks), "limit": config.eval_limit},
+            "arms": [{"name": a.name, "preset": a.preset, "seeds": list(a.seeds), "settings": a.settings}
+                     for a in config.arms],
+            "bootstrap_samples": config.bootstrap_samples, "bootstrap_seed": config.bootstrap_seed,
+            "launch": list(config.launch),
+            "data_files": {str(p.relative_to(suite.root)) if p.is_relative_to(suite.root) else p.name:
+                           file_sha256(p) for p in files}}

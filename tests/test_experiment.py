@@ -1,0 +1,173 @@
+"""`eviback experiment`: the experiment file, the paired bootstrap, and a two-step, two-arm experiment end to
+end as a user runs it (real model, real retriever, local teacher), committed run by run and resumed."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from eviback.data import embedded_root
+from eviback.experiment import load_experiment, parse_experiment
+from eviback.experiment.compare import changed_share, common_keys, mean_curves, paired_bootstrap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def runs_of(values: list[list[float]], benchmark: str = "nq") -> list[dict]:
+    """One run (seed) per list: item i scores values[seed][i] on every metric."""
+    return [{(benchmark, str(i)): {"f1": v, "em": v, "valid_answer": v, "searches": v} for i, v in enumerate(vals)}
+            for vals in values]
+
+
+def test_paired_bootstrap_of_a_run_against_itself_is_exactly_zero():
+    runs = runs_of([[0.0, 1.0, 0.5, 0.2] * 10])
+    d = paired_bootstrap(runs, runs, "f1", samples=500)["macro"]
+    assert (d.diff, d.lo, d.hi, d.items) == (0.0, 0.0, 0.0, 40)
+    assert not d.excludes_zero
+
+
+def test_paired_bootstrap_pairs_items_so_a_constant_shift_is_certain():
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0, 1, 200).tolist()  # items of very different difficulty
+    d = paired_bootstrap(runs_of([[x + 0.05 for x in base]]), runs_of([base]), "f1", samples=500)["macro"]
+    assert d.diff == pytest.approx(0.05) and d.lo == pytest.approx(0.05) and d.hi == pytest.approx(0.05)
+    # unpaired noise of the same size is not significant: one item better, another worse
+    noisy = [x + (0.05 if i % 2 else -0.05) for i, x in enumerate(base)]
+    d = paired_bootstrap(runs_of([noisy]), runs_of([base]), "f1", samples=500)["macro"]
+    assert abs(d.diff) < 1e-9 and d.lo < 0 < d.hi
+
+
+def test_paired_bootstrap_resamples_seeds_and_averages_benchmarks():
+    # two seeds of the arm disagree wildly; one seed alone would look certain, the pair does not
+    arm = runs_of([[1.0] * 50, [0.0] * 50])
+    base = runs_of([[0.4] * 50])
+    d = paired_bootstrap(arm, base, "em", samples=1000, seed=1)["macro"]
+    assert d.diff == pytest.approx(0.1) and d.lo < 0 < d.hi
+    # the macro average weighs sets equally, whatever their sizes
+    two = [{**runs_of([[1.0] * 10])[0], **runs_of([[0.0] * 90], "musique")[0]}]
+    zero = [{k: {m: 0.0 for m in v} for k, v in two[0].items()}]
+    result = paired_bootstrap(two, zero, "f1", samples=200)
+    assert result["nq"].diff == 1.0 and result["musique"].diff == 0.0 and result["macro"].diff == 0.5
+    # the same seed gives the same interval
+    assert paired_bootstrap(arm, base, "em", samples=300, seed=3) == paired_bootstrap(arm, base, "em", samples=300,
+                                                                                     seed=3)
+
+
+def test_runs_on_different_items_cannot_be_paired():
+    with pytest.raises(ValueError, match="different items"):
+        common_keys(runs_of([[0.0, 1.0]]), runs_of([[0.0]]))
+
+
+def test_curves_average_seeds_per_step_and_answers_changed():
+    runs = [[{"step": 1, "k": 1.0}, {"step": 2, "k": 3.0}], [{"step": 1, "k": 2.0}, {"step": 2, "k": None}]]
+    assert mean_curves(runs, "k") == ([1, 2], [1.5, 3.0])
+    assert changed_share({("a", "1"): "x", ("a", "2"): None}, {("a", "1"): "x", ("a", "2"): "y"}) == 0.5
+
+
+def minimal(**extra) -> dict:
+    return {"name": "t", "out": "out", "steps": 2, "eval": {"benchmarks": ["nq"], "limit": 2},
+            "arms": [{"name": "grpo", "preset": "grpo"}, {"name": "eviback", "preset": "eviback", "seeds": [0, 1]}],
+            **extra}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"settings": {"max_steps": 5}}, "the experiment sets for every run"),
+    ({"arms": [{"name": "grpo", "preset": "grpo", "settings": {"seed": 3}}]}, "the experiment sets"),
+    ({"baseline": "nope"}, "no arm named 'nope'"),
+    ({"arms": [{"name": "a b", "preset": "grpo"}]}, "needs a name"),
+    ({"arms": [{"name": "x", "preset": "grpo"}, {"name": "x", "preset": "dapo"}]}, "distinct names"),
+    ({"arms": [{"name": "x", "preset": "grpo", "seeds": [0, 0]}]}, "seeds must be distinct"),
+    ({"arms": [{"name": "x", "preset": "nope"}]}, "unknown preset"),
+    ({"settings": {"lamda": 0.3}}, r"arm 'grpo': unknown setting\(s\) \['lamda'\]"),
+    ({"settings": {"group_size": 1}}, "group_size must be >= 2"),
+    ({"arms_": []}, "unknown key"),
+])
+def test_bad_experiment_files_are_refused_before_any_run(change, message):
+    with pytest.raises(ValueError, match=message):
+        parse_experiment(minimal(**change), "x.yaml")
+
+
+def test_runs_go_seed_by_seed_and_settings_layer_in_order():
+    config = parse_experiment(minimal(settings={"lam": 0.3}, baseline="grpo"))
+    assert [(a.name, s) for a, s in config.runs()] == [("grpo", 0), ("eviback", 0), ("eviback", 1)]
+    train = config.train_config(config.arm("eviback"), 1)
+    assert (train.mode, train.lam, train.seed, train.build_seed, train.max_steps) == ("eviback", 0.3, 1, 0, 2)
+    assert (train.eval_benchmarks, train.eval_limit, train.eval_warm_start) == (["nq"], 2, False)
+
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "lr-probe.yaml", "gpu.yaml"])
+def test_shipped_experiment_files_are_valid(name):
+    config = load_experiment(ROOT / "experiments" / name, data=str(embedded_root()))
+    assert config.arm(config.baseline) and config.eval_limit >= 40
+    assert {config.train_config(a, s).data for a, s in config.runs()} == {str(embedded_root())}
+
+
+# ---- end to end --------------------------------------------------------------------------------------------
+
+TINY = {"backend": "hf", "warm_start": False, "group_size": 2, "questions_per_step": 2, "max_turns": 1,
+        "max_turn_tokens": 24, "max_obs_tokens": 64, "save_steps": 1, "teacher_stage_a": "prompted",
+        "train_files": ["popqa_train"]}
+
+
+def run_experiment(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run([sys.executable, "-m", "eviback.cli", "experiment", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=2400)
+
+
+@pytest.mark.slow
+def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
+    git = ["git"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    spec = {"name": "ci", "out": "results/ci", "work": "runs/ci", "steps": 2, "baseline": "grpo", "settings": TINY,
+            "eval": {"benchmarks": ["nq", "hotpotqa"], "limit": 3}, "bootstrap_samples": 200,
+            "arms": [{"name": "grpo", "preset": "grpo"}, {"name": "eviback", "preset": "eviback"}]}
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(spec))
+    data = str(embedded_root())
+    result = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit")
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "results" / "ci"
+    for arm in ("grpo", "eviback"):
+        kept = out / arm / "seed-0"
+        names = sorted(str(p.relative_to(kept)) for p in kept.rglob("*") if p.is_file())
+        # what is kept: the numbers, no checkpoint and no model
+        assert set(names) - {"teacher.json"} == {"config.yaml", "done.json", "eval/items.jsonl.gz",
+                                                 "eval/summary.json", "groups.jsonl.gz", "metrics.jsonl"}
+        assert ("teacher.json" in names) == (arm == "eviback")
+        config = yaml.safe_load((kept / "config.yaml").read_text())
+        assert (config["max_steps"], config["seed"], config["data"]) == (2, 0, "$DATA")
+        with gzip.open(kept / "eval" / "items.jsonl.gz", "rt") as f:
+            assert len(f.readlines()) == 6  # 3 questions x 2 sets, the same for every arm
+        assert len((kept / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (out / "grpo" / "seed-0" / "checkpoints").exists()
+    # the machine's data path is in no kept file: the suite is named by its files' hashes
+    for path in out.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".json", ".md", ".jsonl"):
+            assert data not in path.read_text(), path
+    assert "data_files" in yaml.safe_load((out / "experiment.yaml").read_text())
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert set(comparison["differences"]) == {"eviback - grpo", "grpo - warm start", "eviback - warm start"}
+    macro = comparison["differences"]["eviback - grpo"]["f1"]["macro"]
+    assert macro["items"] == 6 and macro["lo"] <= macro["diff"] <= macro["hi"]
+    assert comparison["arms"]["eviback"]["training"]["steps"] == 2
+    assert "| eviback - grpo | 6 |" in (out / "comparison.md").read_text()
+    assert "data:image/png;base64," in (out / "comparison.html").read_text()
+    log = subprocess.run([*git, "log", "--format=%s"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert log.splitlines() == ["experiment ci: eviback seed 0 (2 steps) and the refreshed comparison",
+                                "experiment ci: grpo seed 0 (2 steps) and the refreshed comparison",
+                                "experiment ci: the warm start evaluated on the held-out questions"]
+    tracked = subprocess.run([*git, "ls-files"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert "runs/" not in tracked and "checkpoint" not in tracked
+    # a second call redoes nothing: every run is done
+    again = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "run 1/" not in again.stderr and "eviback - grpo" in again.stdout
