@@ -141,7 +141,8 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
         names = sorted(str(p.relative_to(kept)) for p in kept.rglob("*") if p.is_file())
         # what is kept: the numbers, no checkpoint and no model
         assert set(names) - {"teacher.json"} == {"config.yaml", "done.json", "eval/items.jsonl.gz",
-                                                 "eval/summary.json", "groups.jsonl.gz", "metrics.jsonl"}
+                                                 "eval/summary.json", "groups.jsonl.gz", "metrics.jsonl",
+                                                 "start.json"}
         assert ("teacher.json" in names) == (arm == "eviback")
         config = yaml.safe_load((kept / "config.yaml").read_text())
         assert (config["max_steps"], config["seed"], config["data"]) == (2, 0, "$DATA")
@@ -159,6 +160,9 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     macro = comparison["differences"]["eviback - grpo"]["f1"]["macro"]
     assert macro["items"] == 6 and macro["lo"] <= macro["diff"] <= macro["hi"]
     assert comparison["arms"]["eviback"]["training"]["steps"] == 2
+    # the warm start and both runs started from the same weights, checked by their hash
+    assert [sorted(v) for v in comparison["start_policies"].values()] == [["eviback seed 0", "grpo seed 0",
+                                                                           "warm start"]]
     assert "| eviback - grpo | 6 |" in (out / "comparison.md").read_text()
     assert "data:image/png;base64," in (out / "comparison.html").read_text()
     log = subprocess.run([*git, "log", "--format=%s"], cwd=tmp_path, capture_output=True, text=True).stdout

@@ -108,6 +108,13 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
                                                             seed=config.bootstrap_seed).items()}
             for m in ITEM_METRICS}
 
+    starts: dict[str, list[str]] = {}
+    for label, directory in [("warm start", start), *((f"{a} seed {s}", d) for a, runs in finished.items()
+                                                      for s, d in runs)]:
+        if (directory / "start.json").exists():
+            fingerprint = json.loads((directory / "start.json").read_text())["fingerprint"]
+            starts.setdefault(fingerprint[:16], []).append(label)
+    result["start_policies"] = starts  # one entry when every run started from the same weights
     base = items.get(config.baseline)
     for arm, arm_items in items.items():
         if base is not None and arm != config.baseline:
@@ -165,9 +172,19 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     return tables
 
 
+def start_line(result: dict[str, Any]) -> str:
+    starts = result.get("start_policies") or {}
+    if len(starts) == 1:
+        return f"Every run started from the same weights (fingerprint {next(iter(starts))})."
+    if not starts:
+        return "The runs' starting weights are not recorded."
+    return "**The runs did not all start from the same weights**: " + "; ".join(
+        f"{k}: {', '.join(v)}" for k, v in starts.items())
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Experiment {result['experiment']}: {result['steps']} steps per run, baseline "
-             f"{result['baseline']}", ""]
+             f"{result['baseline']}", "", start_line(result), ""]
     for title, header, rows in _tables(result):
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
@@ -204,7 +221,8 @@ def page(result: dict[str, Any], png: Path) -> str:
             f"<title>eviback experiment {html.escape(result['experiment'])}</title>",
             "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;"
             "margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px}</style>",
-            f"<h1>Experiment {html.escape(result['experiment'])}: {result['steps']} steps per run</h1>"]
+            f"<h1>Experiment {html.escape(result['experiment'])}: {result['steps']} steps per run</h1>",
+            f"<p>{html.escape(start_line(result))}</p>"]
     for title, header, rows in _tables(result):
         body.append(f"<h2>{html.escape(title)}</h2><table><tr>"
                     + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")

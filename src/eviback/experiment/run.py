@@ -4,7 +4,8 @@ Each run trains in its own `eviback train` process (so peak memory is per run, a
 in `<work>/<arm>/seed-<seed>/` with its checkpoints. When it has finished (trained and evaluated), what is
 worth keeping is copied to `<out>/<arm>/seed-<seed>/` and marked done:
 
-    config.yaml  metrics.jsonl  groups.jsonl.gz  teacher.json  eval/summary.json  eval/items.jsonl.gz  done.json
+    config.yaml  metrics.jsonl  groups.jsonl.gz  teacher.json  start.json  eval/summary.json  eval/items.jsonl.gz
+    done.json
 
 so that `<out>` holds every number of the comparison and no checkpoint. A done run is never redone; an
 interrupted one resumes from its last checkpoint (`eviback train --resume`). With `commit`, each finished
@@ -80,7 +81,7 @@ def keep(work: Path, target: Path, extra: dict, data: str | None = None) -> None
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "eval").mkdir(parents=True)
-    for name in ("config.yaml", "metrics.jsonl", "teacher.json", "eval/summary.json"):
+    for name in ("config.yaml", "metrics.jsonl", "teacher.json", "start.json", "eval/summary.json"):
         if (work / name).exists():
             (tmp / name).write_text(_hide_data_path((work / name).read_text(), data))
     for source, dest in ((work / "groups.jsonl", tmp / "groups.jsonl.gz"),
@@ -116,11 +117,13 @@ def _evaluate_start_child(work: str) -> None:
     from eviback.cli import configure_logging
     from eviback.evaluate import run_eval
     from eviback.train.config import TrainConfig
-    from eviback.train.runner import held_out_eval_config, initial_policy
+    from eviback.train.runner import held_out_eval_config, initial_policy, write_start_record
 
     configure_logging(logging.INFO)
     config = TrainConfig(**yaml.safe_load((Path(work) / "config.yaml").read_text()))
-    run_eval(held_out_eval_config(config, Path(work) / "eval", initial_policy(config)))
+    policy = initial_policy(config)
+    write_start_record(Path(work) / "start.json", policy)
+    run_eval(held_out_eval_config(config, Path(work) / "eval", policy))
 
 
 def commit(paths: list[Path], message: str) -> None:

@@ -8,6 +8,7 @@
       rollouts/        `step-<step>.jsonl.gz`: the same groups with whole rollouts (model text, observations,
                        passages), for the last `keep_rollout_steps` steps only, so the directory stays bounded
       teacher.json     the teacher policy's name, version and evidence-boundary verdict (EviBack runs)
+      start.json       the starting policy (the warm start): its directory name and a hash of its weights
       checkpoints/     TRL checkpoints (`checkpoint-<step>`), the resume points
       final/           the trained policy (safetensors + tokenizer)
       plots/*.png, report.html, eval/   training curves, the HTML report, the held-out evaluation
@@ -48,6 +49,7 @@ class RunDir:
         self.groups_path = self.root / "groups.jsonl"
         self.rollouts = self.root / "rollouts"
         self.teacher_path = self.root / "teacher.json"
+        self.start_path = self.root / "start.json"
         self.checkpoints = self.root / "checkpoints"
         self.final = self.root / "final"
         self.plots = self.root / "plots"

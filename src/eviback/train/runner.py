@@ -12,6 +12,7 @@ logging every step; save the final policy; evaluate it on held-out questions; dr
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import subprocess
 import sys
@@ -270,6 +271,8 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     retriever = load_retriever(config.retriever) if config.retriever else suite_retriever(suite)
     with state.main_process_first():  # one process builds the cached warm start, the others reuse it
         policy_path = initial_policy(config)
+    if main:
+        write_start_record(run.start_path, policy_path)
     tokenizer = load_tokenizer(policy_path)
     precision = training_precision(config.dtype, torch.cuda.is_available())
     model, master = load_policy_for_training(policy_path, precision, checkpoint)
@@ -430,6 +433,15 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     state.wait_for_everyone()
     return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, run.report,
                        start_summary)
+
+
+def write_start_record(path: Path, policy_path: str) -> None:
+    """Which policy a run started from, by name and by a hash of its weights: runs compared as "from the same
+    warm start" can be checked to be so, even when the warm start was rebuilt on another machine."""
+    from eviback.train.sft import model_fingerprint
+
+    path.write_text(json.dumps({"policy": Path(policy_path).name, "fingerprint": model_fingerprint(policy_path)},
+                               indent=2) + "\n")
 
 
 def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **overrides: Any):  # noqa: ANN201
