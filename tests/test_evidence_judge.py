@@ -98,3 +98,53 @@ def test_the_build_uses_single_passages_and_balances_each_kind_of_question(judge
     for kind, labels in counts["train_balanced_by_kind"].items():
         if labels:  # within a kind, no label exceeds 1.5 x the rarest
             assert max(labels.values()) <= int(min(labels.values()) * 1.5), kind
+
+
+def test_ape_takes_the_trained_judge_as_a_seed_and_refines_prompts_only(judge, tmp_path):
+    """E2E-APE with the judge's policy among its seeds: the judge competes (its deterministic Stage A makes
+    repeated sampling not applicable, never agreement 1.00), prompt variants that cannot apply to a classifier
+    stage are skipped instead of crashing the run, and rounds refine the best prompt-decided candidate."""
+    from ape_fakes import ScriptedController
+    from eviback.ape import ApeConfig, ControllerConfig, run_ape
+    from eviback.ape.candidates import MUTATIONS, NotApplicable, apply_mutation
+    from eviback.ape.events import EventLog, RoundStarted
+    from eviback.ape.spec import spec_from_mapping
+    from eviback.teacher.config import TeacherConfig
+    from eviback.teacher.judge import JudgeConfig
+    from teacher_fakes import ScriptedClient, default_reply
+
+    CHECKS = ("repeated_sampling", "reordered_evidence", "paraphrased_question")
+    policy = load_policy(str(judge.policy_path))
+    for name in MUTATIONS:  # each variant of the judge's policy is a valid workflow or not applicable
+        try:
+            variant = apply_mutation(name, policy)
+        except NotApplicable:
+            continue
+        assert variant.status_stage.backend == policy.status_stage.backend
+        assert variant.status_stage.decoding == policy.status_stage.decoding  # a classifier never samples
+
+    dump = tmp_path / "dump.jsonl"
+    write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(40, seed=7, source="train",
+                                                                    datasets=("nq", "popqa"))))
+    spec = spec_from_mapping({
+        "stability": {"rollouts": 10, "bootstrap_resamples": 100, "constant_teacher": "pass",
+                      **{check: {"min_agreement": 0.5} for check in CHECKS}},
+        "objective": {"min_labelled": 4},
+        "search": {"seeds": [str(judge.policy_path), "two-stage", "single-prompt-dual-task"],
+                   "mutations": ["binary-status", "sampled"], "rounds": 1, "proposals_per_round": 1,
+                   "mutations_per_round": 1, "max_candidates": 8}})
+    client = ScriptedClient(lambda request: default_reply(request, status="S"))
+    controller = ScriptedController('{"stages": [{"name": "A", "user_template": '
+                                    '"Q: $question\\nP: $evidence\\nEnough? S or I."}]}')
+    result = run_ape(ApeConfig(out=str(tmp_path / "ape"), dumps=(str(dump),),
+                               teacher=TeacherConfig(judge=JudgeConfig(concurrency=1)),
+                               controller=ControllerConfig(kind="none")),
+                     spec, client=client, controller=controller)
+    seed = result.record("s0")
+    assert seed.candidate.policy.status_stage.backend == policy.status_stage.backend
+    assert seed.metrics is not None  # judged, whatever the gates said
+    repeated = [g for g in seed.report.results if "repeated" in g.gate]
+    assert repeated and repeated[0].passed and "not applicable" in repeated[0].value, seed.report
+    # round 0's variants and round 1 come from the two-stage seed, not from the judge
+    assert {r.candidate.parent for r in result.candidates if r.candidate.id.startswith(("m", "r1."))} == {"s1"}
+    assert [e.parent for e in EventLog(tmp_path / "ape" / "events.jsonl").of(RoundStarted)] == ["s1"]

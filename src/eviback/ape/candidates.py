@@ -142,8 +142,12 @@ def mutation_names(selection: Sequence[str]) -> tuple[str, ...]:
 
 
 def apply_mutation(name: str, policy: TeacherPolicy) -> TeacherPolicy:
-    """`policy` with mutation `name` applied; named `<parent>+<name>`. Raises NotApplicable."""
-    mutated = MUTATIONS[name].apply(policy)
+    """`policy` with mutation `name` applied; named `<parent>+<name>`. Raises NotApplicable, also when the
+    variant would not be a valid workflow (e.g. a prompt change to a trained classifier's stage)."""
+    try:
+        mutated = MUTATIONS[name].apply(policy)
+    except PolicyError as e:
+        raise NotApplicable(f"the variant is not a valid workflow: {e}") from e
     return dataclasses.replace(mutated, name=f"{policy.name}+{name}",
                                description=f"{policy.description} [E2E-APE variant: {MUTATIONS[name].description}]".strip())
 
@@ -249,9 +253,11 @@ def _system_in_user(policy: TeacherPolicy) -> TeacherPolicy:
 
 @register_mutation("sampled", "every stage samples at temperature 0.7 (seeded) instead of greedy decoding")
 def _sampled(policy: TeacherPolicy) -> TeacherPolicy:
-    if all(s.decoding.temperature > 0 for s in policy.stages):
-        raise NotApplicable("already sampled")
+    # A trained classifier's stage does not sample: its decoding is left as it is.
+    if all(s.decoding.temperature > 0 or s.backend for s in policy.stages):
+        raise NotApplicable("every LLM stage already samples")
     return dataclasses.replace(policy, stages=tuple(
+        s if s.backend else
         dataclasses.replace(s, decoding=dataclasses.replace(s.decoding, temperature=0.7, seed=s.decoding.seed or 0))
         for s in policy.stages))
 

@@ -76,7 +76,7 @@ def round_zero(run: ApeRun) -> None:
         c = propose(run, Candidate(f"s{i}", seed_policy(ref), Origin.SEED, "", 0, ref))
         if c is not None:
             seeds.append(c)
-    base = next((c for c in seeds if not c.policy.boundary_violations()), None)
+    base = next((c for c in seeds if refinable(c) and not c.policy.boundary_violations()), None)
     if base is not None and 0 not in run.rounds:
         mutations_of(run, base, len(mutation_names(run.spec.search.mutations)), 0, "")
     for c in list(run.candidates.values()):
@@ -86,18 +86,27 @@ def round_zero(run: ApeRun) -> None:
         run.emit(RoundFinished(0, base.id if base is not None else ""))
 
 
+def refinable(candidate: Candidate) -> bool:
+    """Whether a round can refine `candidate`: its status is decided by a prompt. A trained classifier's
+    verdicts (a `backend` status stage) do not depend on any prompt, so no proposal or prompt variant of it
+    can change the objective; it competes in selection but does not parent a round."""
+    return not candidate.policy.status_stage.backend
+
+
 def best_so_far(run: ApeRun) -> Candidate | None:
-    """The best candidate so far: the selected feasible one; else the best objective among those with
-    base metrics; else the first compliant seed."""
-    selection = run.selector.select(scored(run), run.spec)
+    """The best refinable candidate so far: the selected feasible one; else the best objective among those
+    with base metrics; else the first compliant seed."""
+    pool = {cid for cid, c in run.candidates.items() if refinable(c)}
+    selection = run.selector.select([s for s in scored(run) if s.id in pool], run.spec)
     if selection.winner is not None:
         return run.candidates[selection.winner]
     measured = [(d.metrics.objective(run.spec.objective.metric), -run.order(run.candidates[cid]), cid)
-                for cid, d in run.decided.items() if d.metrics is not None
+                for cid, d in run.decided.items() if cid in pool and d.metrics is not None
                 and d.metrics.objective(run.spec.objective.metric) is not None]
     if measured:
         return run.candidates[max(measured)[2]]
-    return next((c for c in run.candidates.values() if not c.policy.boundary_violations()), None)
+    return next((c for c in run.candidates.values() if refinable(c) and not c.policy.boundary_violations()),
+                None)
 
 
 def controller_round(run: ApeRun, round_: int) -> None:
