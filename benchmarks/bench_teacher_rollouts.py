@@ -1,7 +1,7 @@
 """Real rollouts of the warm-started actor, for measuring teachers: training groups and held-out rollouts.
 
     python benchmarks/bench_teacher_rollouts.py --model WARM_START_DIR --train-questions 80 \
-        --heldout-per-benchmark 24 --out results/teacher-signal/rollouts
+        --heldout-per-benchmark 24 --out results/teacher-signal/rollouts [--data DIR]
 
 Writes two JSONL dumps of trajectories (token traces dropped), read by bench_teacher_quality.py and
 bench_teacher_signal.py and by `eviback judge` / `eviback build-judge --rollouts`:
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unseen-by-judge", type=Path, metavar="JUDGE_DIR",
                         help="train groups only on the training questions this evidence judge held out of its "
                              "training (read from its judge.json), so that measuring it on them is fair")
+    parser.add_argument("--data", default=None, metavar="DIR",
+                        help="data suite: its training and evaluation files and its corpus (default: the embedded one)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from eviback.rollout import RolloutConfig, RolloutEngine
     from eviback.train.warmstart_data import check_no_eval_overlap, training_files
 
-    suite = load_suite()
+    suite = load_suite(args.data)
     rng = random.Random(args.seed)
     train = [q for path in training_files(suite) for q in read_questions(path)]
     check_no_eval_overlap(train, suite)
@@ -76,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         group_size=args.group_size, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
         max_observation_tokens=args.max_obs_tokens, temperature=1.0))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python benchmarks/bench_teacher_rollouts.py "
-                         + " ".join(argv if argv is not None else sys.argv[1:]),
-              "settings": {k: str(v) for k, v in vars(args).items()}, "load_avg_start": os.getloadavg()[0]}
+    shown = [("DIR" if args.data and a == args.data else a) for a in (argv if argv is not None else sys.argv[1:])]
+    report = {"command": "python benchmarks/bench_teacher_rollouts.py " + " ".join(shown),
+              "settings": {k: ("DIR" if k == "data" and v else str(v)) for k, v in vars(args).items()}, "load_avg_start": os.getloadavg()[0]}
     for name, questions, group in (("train_groups", train, args.group_size), ("heldout", heldout, args.heldout_group)):
         trajectories, start = [], time.perf_counter()
         for at in range(0, len(questions), args.batch_questions):

@@ -28,7 +28,7 @@ stability:
 objective: {min_labelled: 2}
 data: {train: 0.4, validation: 0.3, test: 0.3, feedback_rollouts: 2}
 search:
-  seeds: [two-stage, single-prompt-dual-task]
+  seeds: [single-prompt-dual-task]     # two-stage comes first from --seed-policy
   mutations: []
   rounds: 1
   proposals_per_round: 1
@@ -47,7 +47,8 @@ def test_a_real_run_freezes_a_policy_that_eviback_judge_loads(tmp_path, capsys):
         rollouts = tmp_path / "rollouts.jsonl.gz"
         write_jsonl(rollouts, (to_dict(p.trajectory) for p in build_probes(10, source="train")))
         args = ["ape", str(rollouts), "--out", str(out), "--spec", str(tmp_path / "spec.yaml"),
-                "--backend", "local", "--controller", "local", "--threads", "1", "--concurrency", "1"]
+                "--backend", "local", "--controller", "local", "--threads", "1", "--concurrency", "1",
+                "--seed-policy", "two-stage"]
         code = main(args)
         result = json.loads((out / "result.json").read_text())
         confirmation = result["confirmation"]
@@ -55,6 +56,7 @@ def test_a_real_run_freezes_a_policy_that_eviback_judge_loads(tmp_path, capsys):
         winner = result["selection"]["winner"]
         assert winner and result["test"]["winner"] == winner
         assert {c["candidate"]["id"] for c in result["candidates"]} >= {"s0", "s1"}
+        assert "- two-stage\n  - single-prompt-dual-task" in (out / "spec.yaml").read_text()
         assert next(c for c in result["candidates"] if c["candidate"]["id"] == "s1")["phase"] == "static"
         assert any(p["id"] == "r1.p0" for p in result["rejected_proposals"]) or any(
             c["candidate"]["id"] == "r1.p0" for c in result["candidates"])  # the controller was asked

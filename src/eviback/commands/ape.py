@@ -3,6 +3,7 @@
   eviback ape DUMP [DUMP ...] --out runs/ape                 the actor's rollouts on training questions
   eviback ape ... --spec my-spec.yaml                        your constraints (default: the packaged spec)
   eviback ape --write-spec my-spec.yaml                      copy the default spec to edit
+  eviback ape ... --seed-policy JUDGE_DIR/policy.json        the trained evidence judge as a candidate too
 
 The rollouts (a training run's rollouts/step-<N>.jsonl.gz; evaluation questions are refused) are labelled
 by the evidence labels of eviback.teacher.labels and split by question into train / validation / sealed test. Candidate workflows (the seed
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="run directory (rerun with the same --out to resume)")
     parser.add_argument("--spec", help="constraint spec YAML (default: the packaged default spec)")
     parser.add_argument("--write-spec", metavar="FILE", help="write the default spec to FILE and exit")
+    parser.add_argument("--seed-policy", action="append", default=[], metavar="REF",
+                        help="a policy to start from besides the spec's search.seeds (put first; repeatable), e.g. "
+                             "the policy.json that `eviback build-judge` prints: the trained evidence judge as a "
+                             "candidate")
     parser.add_argument("--suite", help="data suite whose evaluation questions are refused (default: the embedded "
                                         "one)")
     teacher = parser.add_argument_group("teacher backend")
@@ -76,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise ValueError("give --out DIR for the run (or --write-spec FILE)")
     spec = load_spec(args.spec)
+    if args.seed_policy:  # recorded in the run's spec.yaml like any seed
+        import dataclasses
+
+        seeds = tuple(dict.fromkeys((*args.seed_policy, *spec.search.seeds)))
+        spec = dataclasses.replace(spec, search=dataclasses.replace(spec.search, seeds=seeds))
     config = _config(args)
     from eviback.ape.pipeline import run_ape
     from eviback.ape.report import comparison_rows
