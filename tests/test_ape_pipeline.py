@@ -12,7 +12,7 @@ from ape_fakes import ReplayChatServer, ScriptedController
 from eviback.ape import ApeConfig, ControllerConfig, run_ape
 from eviback.ape.events import EventLog, QuestionsParaphrased, Selected, UnsealedTest
 from eviback.ape.gates import Phase
-from eviback.ape.report import ProposalCounts
+from eviback.ape.report import ProposalCounts, comparison_rows
 from eviback.ape.rollouts import as_rollouts, split_rollouts
 from eviback.ape.spec import spec_from_mapping
 from eviback.data import write_jsonl
@@ -229,6 +229,12 @@ def test_sealed_test_is_read_only_after_selection_and_canaries_catch_the_baselin
     assert t.winner_metrics.boundary.gold_leaks == 0 and t.winner_metrics.boundary.audited_requests > 0
     assert t.baseline_metrics.boundary.gold_leaks == t.baseline_metrics.boundary.audited_requests > 0
     assert t.winner_report.passed and not t.baseline_report.passed
+    # the prompt injections were judged on the sealed test for both (the oracle reads only the passages'
+    # substance, so nothing flips) and are in the comparison
+    for m in (t.winner_metrics, t.baseline_metrics):
+        assert [i.toward for i in m.injection] == ["S", "I"] and all(i.judged > 0 for i in m.injection)
+    assert t.winner_metrics.injection_toward("S").flipped == 0
+    assert any(row[0].startswith("prompt injection toward S") for row in comparison_rows(t))
     # the planted dump's own canaries never reached a gold-blind stage, nor the controller
     assert not any(c in m.content for r, _ in oracle.log if r.stage == "A" for m in r.messages for c in canaries)
     _, _, _, ctl = run

@@ -28,6 +28,7 @@ from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import TeacherClient
 from eviback.teacher.judge import JudgeConfig, Teacher
 from eviback.teacher.policy import TeacherPolicy
+from eviback.teacher.probes import INJECTIONS, INJECTIONS_TO_I, inject
 from eviback.types import Status, Verdict
 
 STATUSES = (Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT)
@@ -39,6 +40,15 @@ class Condition(enum.StrEnum):
     REORDERED = "reordered"  # the retrieved passages in another order
     PARAPHRASED = "paraphrased"  # the question reworded
     CANARY = "canary"  # canaries planted in the gold answers, every gold-blind request audited
+    INJECTED_S = "injected-s"  # an instruction to answer S appended to the first retrieved passage
+    INJECTED_I = "injected-i"  # an instruction to answer I appended to the first retrieved passage
+
+
+# The prompt injection of each injected condition (sealed test only), and the label it pushes toward.
+INJECTED = {
+    Condition.INJECTED_S: (INJECTIONS[1], Status.SUFFICIENT),
+    Condition.INJECTED_I: (INJECTIONS_TO_I[1], Status.INSUFFICIENT),
+}
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,10 @@ class JudgeBackend:
                     continue  # fewer than 2 passages: no other order exists
             elif condition is Condition.PARAPHRASED:
                 t = paraphrase_question(t, self.paraphrases)
+            elif condition in INJECTED:
+                if not any(turn.passages for turn in t.turns):
+                    continue  # nothing retrieved: no passage to carry the injection
+                t = inject(t, INJECTED[condition][0])
             keys.append(r.key)
             trajectories.append(t)
         audit = None
@@ -173,6 +187,21 @@ class StabilityMetrics:
 
 
 @dataclass(frozen=True)
+class InjectionMetrics:
+    """Prompt injection in the evidence: how often the final status moved to the injected label."""
+
+    toward: str  # S | I: the label the injection asks for
+    judged: int  # rollouts judged clean and injected (without error)
+    eligible: int  # of those, the ones whose clean status was not already `toward`
+    flipped: int  # of the eligible, the ones whose injected status is `toward`
+    changed: int  # of all judged, the ones whose status changed at all
+
+    @property
+    def flip_rate(self) -> float | None:
+        return self.flipped / self.eligible if self.eligible else None
+
+
+@dataclass(frozen=True)
 class BoundaryMetrics:
     static_violations: tuple[str, ...]
     overturned_i: int  # final status not I although Stage A said I
@@ -196,6 +225,10 @@ class CandidateMetrics:
     cost: CostMetrics
     sufficiency: SufficiencyMetrics
     stability: tuple[StabilityMetrics, ...] = ()
+    injection: tuple[InjectionMetrics, ...] = ()  # measured on the sealed test only
+
+    def injection_toward(self, label: str) -> InjectionMetrics | None:
+        return next((m for m in self.injection if m.toward == label), None)
 
     def stability_of(self, check: str) -> StabilityMetrics | None:
         return next((s for s in self.stability if s.check == check), None)
@@ -304,9 +337,18 @@ def compute_metrics(policy: TeacherPolicy, split: Split, results: Sequence[Condi
         ratings = _ratings([base_subset, *perturbed])
         stability.append(stability_metrics(check, ratings, confidence=st.confidence,
                                            resamples=st.bootstrap_resamples, seed=spec.search.seed))
+    clean = {o.key: o.status for o in outcomes if o.status is not None}
+    injection = []
+    for condition, (_, toward) in INJECTED.items():
+        for r in by_condition[condition][:1]:
+            pairs = [(clean[o.key], o.status) for o in r.outcomes if o.status is not None and o.key in clean]
+            eligible = [after for before, after in pairs if before is not toward]
+            injection.append(InjectionMetrics(toward.value, len(pairs), len(eligible),
+                                              sum(after is toward for after in eligible),
+                                              sum(before is not after for before, after in pairs)))
     return CandidateMetrics(
         split=split, rollouts=n, status={k: status.get(k, 0) for k in ("S", "A", "I")} | {"error": errors},
         errors=errors, error_rate=errors / n if n else 0.0, schema_violating=violating,
         schema_violation_rate=violating / n if n else 0.0, boundary=boundary, cost=cost_metrics(outcomes),
         sufficiency=sufficiency_metrics(outcomes, labels, spec.objective.ambiguous_credit),
-        stability=tuple(stability))
+        stability=tuple(stability), injection=tuple(injection))

@@ -138,6 +138,14 @@ def _candidate_table(records: Sequence[CandidateRecord], winner: str | None, fro
     return lines
 
 
+def _injection(m: CandidateMetrics, label: str) -> str:
+    i = m.injection_toward(label)
+    if i is None:
+        return "–"
+    rate = "" if i.flip_rate is None else f" ({i.flip_rate:.2f})"
+    return f"{i.flipped} / {i.eligible}{rate}"
+
+
 def comparison_rows(t: TestComparison) -> list[tuple[str, str, str]]:
     """(metric, winner, baseline) rows of the sealed-test comparison."""
     w, b = t.winner_metrics, t.baseline_metrics
@@ -161,6 +169,8 @@ def comparison_rows(t: TestComparison) -> list[tuple[str, str, str]]:
          _stab(b.stability_of("reordered_evidence"))),
         ("stability: paraphrased question", _stab(w.stability_of("paraphrased_question")),
          _stab(b.stability_of("paraphrased_question"))),
+        ("prompt injection toward S: flipped to S / not S before", _injection(w, "S"), _injection(b, "S")),
+        ("prompt injection toward I: flipped to I / not I before", _injection(w, "I"), _injection(b, "I")),
         ("tokens per judged rollout", f"{w.cost.tokens_per_rollout:.0f}", f"{b.cost.tokens_per_rollout:.0f}"),
         ("calls per judged rollout", f"{w.cost.requests_per_rollout:.2f}", f"{b.cost.requests_per_rollout:.2f}"),
         ("Stage B run rate", _f(w.cost.stage_b_rate, 2), _f(b.cost.stage_b_rate, 2)),

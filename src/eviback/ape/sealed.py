@@ -1,5 +1,6 @@
 """The sealed test: opened once, after the logged selection; the winner and the manual single-prompt
-baseline measured on it with every condition; the spec's freeze rule applied (`ape.confirm`)."""
+baseline measured on it with every condition, and with a prompt injection toward S and toward I in the
+evidence (reported, not gated); the spec's freeze rule applied (`ape.confirm`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from eviback.ape.candidates import Candidate, Origin, static_rejections, structu
 from eviback.ape.confirm import Confirmation, confirm
 from eviback.ape.events import EvaluatedOnTest, TestConfirmation, UnsealedTest
 from eviback.ape.gates import full_report, not_applicable
-from eviback.ape.measure import Condition
+from eviback.ape.measure import INJECTED, Condition
 from eviback.ape.rollouts import Rollout, Split, subset
 from eviback.teacher.policy import TeacherPolicy, load_policy
 
@@ -50,6 +51,9 @@ def measure_on_test(run: ApeRun, winner: Candidate) -> None:
         for check, rule in run.spec.stability.checks().items():
             if rule.enabled and not not_applicable(check, policy):
                 run.conditions((cid, policy), Split.TEST, rollouts, check)
+        for condition in INJECTED:  # reported, not gated: how far text in the evidence moves the verdict
+            run.judged((cid, policy), Split.TEST, subset(rollouts, run.spec.stability.rollouts, run.spec.data.salt),
+                       condition)
         metrics = run.metrics(policy, cid, Split.TEST)
         rejections = static_rejections(policy, max_stages=run.spec.search.max_stages)
         run.emit(EvaluatedOnTest(cid, Split.TEST, metrics, full_report(metrics, rejections, run.spec, policy)))
