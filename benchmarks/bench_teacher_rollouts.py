@@ -55,12 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from eviback.generation import BackendConfig, load_backend
     from eviback.retrieval import suite_retriever
     from eviback.rollout import RolloutConfig, RolloutEngine
-    from eviback.train.warmstart_data import check_no_eval_overlap, training_files
+    from eviback.train.warmstart_data import read_training_questions
 
     suite = load_suite(args.data)
     rng = random.Random(args.seed)
-    train = [q for path in training_files(suite) for q in read_questions(path)]
-    check_no_eval_overlap(train, suite)
+    train = read_training_questions(suite)  # a question also in an evaluation file is left out, with a warning
     if args.unseen_by_judge:
         from eviback.teacher.evidence_judge import JUDGE_FILE, is_heldout
 
