@@ -150,6 +150,9 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
             assert len(f.readlines()) == 6  # 3 questions x 2 sets, the same for every arm
         assert len((kept / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (out / "grpo" / "seed-0" / "checkpoints").exists()
+    # a finished run's checkpoints are removed from the work directory (its final model stays)
+    work = tmp_path / "runs" / "ci" / "grpo" / "seed-0"
+    assert (work / "metrics.jsonl").exists() and not (work / "checkpoints").exists()
     # the machine's data path is in no kept file: the suite is named by its files' hashes
     for path in out.rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".json", ".md", ".jsonl"):

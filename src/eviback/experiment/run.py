@@ -162,6 +162,8 @@ def run_experiment(config: ExperimentConfig, *, only: tuple[str, ...] = (), git_
         keep(work, target, {"arm": arm.name, "preset": arm.preset, "seed": seed, "steps": config.steps,
                             "wall_s": round(time.monotonic() - started, 1),
                             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, config.settings.get("data"))
+        # a kept run is never resumed: its checkpoints (GBs each) go; the final model stays in the work dir
+        shutil.rmtree(work / "checkpoints", ignore_errors=True)
         done.append((arm.name, seed))
         written = [target]
         if report is not None:
