@@ -46,14 +46,13 @@ def measure_on_test(run: ApeRun, winner: Candidate) -> None:
         if cid in run.tests:
             continue
         run.judged((cid, policy), Split.TEST, rollouts, Condition.BASE)
-        run.judged((cid, policy), Split.TEST, subset(rollouts, run.spec.stability.rollouts, run.spec.data.salt),
-                    Condition.CANARY)
+        sub = subset(rollouts, run.spec.stability.rollouts, run.spec.data.salt)  # canaries and injections
+        run.judged((cid, policy), Split.TEST, sub, Condition.CANARY)
         for check, rule in run.spec.stability.checks().items():
             if rule.enabled and not not_applicable(check, policy):
                 run.conditions((cid, policy), Split.TEST, rollouts, check)
         for condition in INJECTED:  # reported, not gated: how far text in the evidence moves the verdict
-            run.judged((cid, policy), Split.TEST, subset(rollouts, run.spec.stability.rollouts, run.spec.data.salt),
-                       condition)
+            run.judged((cid, policy), Split.TEST, sub, condition)
         metrics = run.metrics(policy, cid, Split.TEST)
         rejections = static_rejections(policy, max_stages=run.spec.search.max_stages)
         run.emit(EvaluatedOnTest(cid, Split.TEST, metrics, full_report(metrics, rejections, run.spec, policy)))
