@@ -16,7 +16,7 @@ import yaml
 
 from eviback.data import embedded_root
 from eviback.experiment import load_experiment, parse_experiment
-from eviback.experiment.compare import changed_share, common_keys, mean_curves, paired_bootstrap
+from eviback.experiment.compare import changed_share, common_keys, mean_curves, paired_bootstrap, trailing_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +70,14 @@ def test_curves_average_seeds_per_step_and_answers_changed():
     runs = [[{"step": 1, "k": 1.0}, {"step": 2, "k": 3.0}], [{"step": 1, "k": 2.0}, {"step": 2, "k": None}]]
     assert mean_curves(runs, "k") == ([1, 2], [1.5, 3.0])
     assert changed_share({("a", "1"): "x", ("a", "2"): None}, {("a", "1"): "x", ("a", "2"): "y"}) == 0.5
+
+
+def test_trailing_mean_averages_the_window_behind_each_step():
+    assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert trailing_mean([1.0, 3.0], 5) == [1.0, 2.0]
+    assert trailing_mean([], 3) == []
+    with pytest.raises(ValueError, match="window"):
+        trailing_mean([1.0], 0)
 
 
 def minimal(**extra) -> dict:

@@ -126,6 +126,20 @@ def mean_curves(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> tuple[
     return steps, [sum(values[s]) / len(values[s]) for s in steps]
 
 
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """Each value replaced by the mean of it and the `window - 1` before it (fewer at the start): per-step
+    curves of a few questions each are mostly noise, and this is what the eye should follow."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, float]:
     """Means over the steps of every seed of one arm: what training cost and what the teacher did."""
     records = [r for run in runs for r in run]

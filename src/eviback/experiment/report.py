@@ -3,7 +3,7 @@
     comparison.json   every number below
     comparison.md     held-out tables (per set and macro), paired differences with 95% intervals, training cost
     comparison.html   the same tables and the training curves, in one self-contained page
-    plots/curves.png  per-step curves of every arm (mean over its seeds)
+    plots/curves.png  per-step curves of every arm (mean over its seeds; a 5-step trailing mean over the points)
 
 Redrawn after every finished run, and at any time with `eviback experiment CONFIG --report-only`.
 """
@@ -24,6 +24,7 @@ from eviback.experiment.compare import (
     item_scores,
     mean_curves,
     paired_bootstrap,
+    trailing_mean,
     training_summary,
 )
 from eviback.experiment.config import ExperimentConfig
@@ -32,6 +33,7 @@ from eviback.metrics import normalize_answer
 
 EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
                 ("duplicate_query_rate", "duplicate queries"), ("forced_termination_rate", "forced termination"))
+SMOOTHING = 5  # steps in the curves' trailing mean (drawn over the faint per-step points)
 DIFF_LABELS = {"f1": "F1", "em": "EM", "valid_answer": "valid answer", "searches": "searches"}
 
 
@@ -202,13 +204,15 @@ def plot_curves(result: dict[str, Any], path: Path) -> Path:
         for i, (arm, r) in enumerate(result["arms"].items()):
             curve = r["curves"].get(key) or {}
             if curve:
-                ax.plot([int(s) for s in curve], list(curve.values()), color=f"C{i}", marker="o", markersize=2,
-                        label=arm)
+                steps, values = [int(s) for s in curve], list(curve.values())
+                ax.plot(steps, values, color=f"C{i}", marker="o", markersize=2, linewidth=0.6, alpha=0.35)
+                ax.plot(steps, trailing_mean(values, SMOOTHING), color=f"C{i}", linewidth=1.8, label=arm)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -229,7 +233,7 @@ def page(result: dict[str, Any], png: Path) -> str:
         body += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
         body.append("</table>")
     image = base64.b64encode(png.read_bytes()).decode()
-    body.append(f"<h2>Training curves (mean over seeds)</h2><img style='max-width:100%' "
+    body.append(f"<h2>Training curves (mean over seeds; lines: {SMOOTHING}-step trailing mean)</h2><img style='max-width:100%' "
                 f"src='data:image/png;base64,{image}'>")
     return "\n".join(body)
 
