@@ -16,7 +16,13 @@ import yaml
 
 from eviback.data import embedded_root
 from eviback.experiment import load_experiment, parse_experiment
-from eviback.experiment.compare import changed_share, common_keys, mean_curves, paired_bootstrap, trailing_mean
+from eviback.experiment.compare import (
+    changed_share,
+    common_keys,
+    mean_curves,
+    paired_bootstrap,
+    trailing_mean,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
