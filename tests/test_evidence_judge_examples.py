@@ -52,3 +52,22 @@ def test_the_build_key_names_the_base_model_by_content_not_by_location(tmp_path)
         (base / "model.safetensors").write_bytes(weights)
         keys.append(build_key(EvidenceJudgeConfig(base_model=str(base)), examples))
     assert keys[0] == keys[1] != keys[2]
+
+
+def test_the_build_key_takes_numbers_by_value_not_by_type(tmp_path):
+    """`judge_epochs: 2` in a training config and `--epochs 2` on the command line (2.0) are the same build:
+    the cached judge is reused, not rebuilt under another key."""
+    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_key
+
+    base = tmp_path / "model"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"w")
+    examples = [JudgeExample("q1", "q", "e", S, "search")]
+
+    def key(**changes) -> str:
+        return build_key(EvidenceJudgeConfig(base_model=str(base), **changes), examples)
+
+    assert key(epochs=2) == key(epochs=2.0) == key()
+    assert key(learning_rate=5e-5, seed=0) == key()
+    assert key(epochs=3) != key()

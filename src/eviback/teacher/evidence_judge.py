@@ -427,8 +427,11 @@ def build_key(config: EvidenceJudgeConfig, examples: Sequence[JudgeExample]) -> 
     base_id = model_sha256(Path(base)) if Path(base).is_dir() else base
     material = json.dumps({
         "builder": BUILDER_VERSION, "base_model": base_id,
-        "train": {k: v for k, v in dataclasses.asdict(config).items()
-                  if k in ("max_length", "epochs", "batch_size", "learning_rate", "seed")},
+        # by value, not by how a caller typed it: `epochs: 2` from a YAML file and 2.0 from the command line
+        # are the same build (the int once gave another key, and a 45-minute rebuild of the same judge)
+        "train": {"max_length": int(config.max_length), "epochs": float(config.epochs),
+                  "batch_size": int(config.batch_size), "learning_rate": float(config.learning_rate),
+                  "seed": int(config.seed)},
         "examples": hashlib.sha256("\n".join(json.dumps([e.question, e.evidence, e.label.value])
                                              for e in examples).encode()).hexdigest(),
     }, sort_keys=True)
