@@ -331,6 +331,15 @@ def test_config_validation_names_the_fix():
     assert "learning_rate" in sft.describe_fields()
 
 
+def test_cache_key_settings_are_taken_by_value_not_by_type():
+    """`epochs: 1` from a YAML file and 1.0 from the command line are the same warm start (one cache key)."""
+    as_int = sft.WarmStartConfig(epochs=1, multi_search_share=0, learning_rate=1e-4).key_fields()
+    as_float = sft.WarmStartConfig(epochs=1.0, multi_search_share=0.0, learning_rate=1e-4).key_fields()
+    assert json.dumps(as_int, sort_keys=True) == json.dumps(as_float, sort_keys=True)
+    assert as_int["max_examples"] == 200 and isinstance(as_int["max_examples"], int)
+    assert sft.WarmStartConfig(epochs=2).key_fields() != as_float
+
+
 def write_suite(root):
     """A tiny data suite: the corpus above, two training questions and one evaluation question."""
     root.mkdir()

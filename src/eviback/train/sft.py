@@ -112,7 +112,11 @@ class WarmStartConfig:
     NOT_IN_KEY = ("output", "force", "threads", "logging_steps", "progress")
 
     def key_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
+        """The settings in the key, by value: a float setting given as an int (`epochs: 1` in YAML) is the
+        same build as 1.0 on the command line, not another key and another warm start."""
+        floats = {f.name for f in dataclasses.fields(self) if f.type in ("float", float)}
+        return {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
+                for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
