@@ -124,6 +124,51 @@ def test_shipped_experiment_files_are_valid(name):
     assert {config.train_config(a, s).data for a, s in config.runs()} == {str(embedded_root())}
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie waiting for a reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_stopping_the_experiment_stops_the_run_in_progress_and_what_it_started(tmp_path):
+    """SIGTERM to the experiment (`kill`, a job scheduler) kills its run's process group too: no orphaned
+    trainer is left writing into the run directory the next `eviback experiment` resumes."""
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    run = ("import subprocess, sys, time\n"
+           "sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+           f"open({str(pids)!r}, 'w').write(f'{{__import__(\"os\").getpid()}} {{sleeper.pid}}')\n"
+           "time.sleep(600)\n")
+    experiment = subprocess.Popen([sys.executable, "-c", (
+        "import sys\nfrom eviback.experiment.run import run_process, sigterm_as_exit\n"
+        f"with sigterm_as_exit():\n    run_process([sys.executable, '-c', {run!r}])\n")])
+    deadline = time.monotonic() + 120
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert experiment.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    child, grandchild = map(int, pids.read_text().split())
+    assert _alive(child) and _alive(grandchild)
+    experiment.send_signal(signal.SIGTERM)
+    assert experiment.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while (_alive(child) or _alive(grandchild)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child) and not _alive(grandchild)
+
+
+def test_a_run_that_fails_fails_the_experiment_with_its_exit_code():
+    from eviback.experiment.run import run_process
+
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        run_process([sys.executable, "-c", "raise SystemExit(3)"])
+    assert failed.value.returncode == 3
+
+
 # ---- end to end --------------------------------------------------------------------------------------------
 
 TINY = {"backend": "hf", "warm_start": False, "group_size": 2, "questions_per_step": 2, "max_turns": 1,

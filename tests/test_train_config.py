@@ -97,3 +97,30 @@ def test_report_draws_curves_from_metrics(tmp_path):
     assert "data:image/png;base64," in text and "<td>0.200</td>" in text  # mean EM of steps 0.1, 0.2, 0.3
     both = write_report(runs, tmp_path / "cmp")
     assert (tmp_path / "cmp" / "plots" / "comparison.png").exists() and "eviback" in both.read_text()
+
+
+def test_a_run_directory_is_trained_by_one_process_at_a_time(tmp_path):
+    """A second `eviback train` on a directory being trained is refused (it would truncate the first one's
+    logs on --resume); the lock is re-entrant in its process and goes with the process, SIGKILL included."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom eviback.train.run import RunDir\nfrom eviback.train.config "
+         f"import TrainConfig\nRunDir({str(root)!r}).start(TrainConfig(), resume=False)\nprint('locked', "
+         "flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RuntimeError, match=f"is being trained by pid {holder.pid}"):
+            RunDir(root).start(TrainConfig(), resume=True)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    run = RunDir(root)
+    try:
+        assert run.start(TrainConfig(), resume=True) is None  # the killed holder's lock went with it
+        assert RunDir(root).start(TrainConfig(), resume=True) is None  # re-entrant within this process
+    finally:
+        run.unlock()

@@ -11,6 +11,10 @@ so that `<out>` holds every number of the comparison and no checkpoint. A done r
 interrupted one resumes from its last checkpoint (`eviback train --resume`). With `commit`, each finished
 run and the refreshed comparison are committed to git at once, so an interrupted experiment loses at most
 the run in progress.
+
+Stopping the experiment (Ctrl-C, or SIGTERM from `kill` or a job scheduler) stops the run in progress with it:
+each run's process and whatever it started run in their own process group, killed with the experiment, so
+no orphaned trainer keeps writing into a run directory that the next `eviback experiment` resumes.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import yaml
@@ -48,6 +55,41 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit(143) (as Ctrl-C raises KeyboardInterrupt), so that the
+    cleanup of `run_process` runs; Python's default for SIGTERM ends the process without any. Only the main
+    thread can set a handler: elsewhere the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_process(command: Sequence[str]) -> None:
+    """Run `command` to its end in its own process group; raises CalledProcessError on a non-zero exit. If
+    this process is interrupted meanwhile (KeyboardInterrupt, or SystemExit under `sigterm_as_exit`), the
+    whole group (the command and every process it started) is killed before the exception goes on."""
+    process = subprocess.Popen(list(command), env=_child_env(), start_new_session=True)
+    try:
+        code = process.wait()
+    except BaseException:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, list(command))
+
+
 def train_run(config: ExperimentConfig, arm: Arm, seed: int) -> Path:
     """Train and evaluate one run in its own process (resuming it when its directory exists)."""
     work = run_dir(config.work_dir, arm.name, seed)
@@ -60,7 +102,7 @@ def train_run(config: ExperimentConfig, arm: Arm, seed: int) -> Path:
     if (work / "config.yaml").exists():
         command.append("--resume")
     log.info("run %s seed %d: %s", arm.name, seed, " ".join(command))
-    subprocess.run(command, check=True, env=_child_env())
+    run_process(command)
     return work
 
 
@@ -108,7 +150,7 @@ def evaluate_start(config: ExperimentConfig) -> Path:
     code = f"from eviback.experiment.run import _evaluate_start_child; _evaluate_start_child({str(work)!r})"
     log.info("evaluating the warm start on the held-out questions (%s x %d)", ", ".join(config.eval_benchmarks),
              config.eval_limit)
-    subprocess.run([sys.executable, "-c", code], check=True, env=_child_env())
+    run_process([sys.executable, "-c", code])
     keep(work, target, {"run": START, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, config.settings.get("data"))
     return target
 
@@ -141,6 +183,12 @@ def run_experiment(config: ExperimentConfig, *, only: tuple[str, ...] = (), git_
     Returns the (arm, seed) runs done by this call."""
     for name in only:
         config.arm(name)  # raises on an unknown arm
+    with sigterm_as_exit():
+        return _run_experiment(config, only, git_commit, report)
+
+
+def _run_experiment(config: ExperimentConfig, only: tuple[str, ...], git_commit: bool,
+                    report: Callable[[ExperimentConfig], list[Path]] | None) -> list[tuple[str, int]]:
     if git_commit:
         inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], capture_output=True, text=True)
         if inside.stdout.strip() != "true":

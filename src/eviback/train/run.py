@@ -16,11 +16,14 @@
 
 Logs are append-only. A run killed at any moment (SIGKILL included) resumes from its last checkpoint; the
 log records of steps after that checkpoint are dropped on resume (those steps are redone), so every line
-of the logs describes exactly one step of the final run.
+of the logs describes exactly one step of the final run. The process training a directory holds a lock on
+it (`.lock`, released when the process ends, however it ends): a second `eviback train` on the same
+directory is refused instead of truncating the logs the first one is writing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import os
@@ -37,6 +40,9 @@ from eviback.train.config import TrainConfig
 RESUMABLE_CHANGES = frozenset({"max_steps", "save_steps", "save_total_limit", "eval_benchmarks", "eval_limit",
                                "eval_warm_start", "keep_rollout_steps", "teacher_url", "teacher_concurrency",
                                "retriever"})
+
+# The run directories this process holds the lock of (resolved path -> the open lock file).
+_HELD: dict[str, Any] = {}
 
 
 class RunDir:
@@ -56,6 +62,36 @@ class RunDir:
         self.report = self.root / "report.html"
         self.eval_dir = self.root / "eval"
         self.eval_start_dir = self.root / "eval-start"
+        self.lock_path = self.root / ".lock"
+
+    def lock(self) -> None:
+        """Hold the directory's lock until `unlock` or the end of this process (the OS drops it however the
+        process ends, SIGKILL included). Raises RuntimeError, naming the holder, while another process holds
+        it. Re-entrant within a process (a run retried in the same process takes the lock it holds)."""
+        key = str(self.root.resolve())
+        if key in _HELD:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        f = open(self.lock_path, "a+")  # noqa: SIM115 - held open on purpose: the lock lives with the file
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise RuntimeError(f"{self.root} is being trained by {holder}; stop it first (a killed run "
+                               f"resumes with --resume)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        _HELD[key] = f
+
+    def unlock(self) -> None:
+        """Release the lock `lock` took (nothing when this process does not hold it)."""
+        f = _HELD.pop(str(self.root.resolve()), None)
+        if f is not None:
+            f.close()  # closing the file drops the flock
 
     # ---- configuration
 
@@ -63,8 +99,9 @@ class RunDir:
         """Prepare the directory; returns the checkpoint step to resume from (None for a fresh run).
 
         A directory that already holds a run is resumed only with `resume=True`, and only with a matching
-        configuration, so a typo never silently continues (or overwrites) another experiment."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        configuration, so a typo never silently continues (or overwrites) another experiment. From here on
+        this process holds the directory's lock (`lock`): another process training it is refused."""
+        self.lock()
         if self.config_path.exists():
             if not resume:
                 raise FileExistsError(

@@ -431,6 +431,8 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
                                backend=backend, retriever=retriever)
         write_run_report(run, summary, start_summary)
     state.wait_for_everyone()
+    if main:
+        run.unlock()
     return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, run.report,
                        start_summary)
 
