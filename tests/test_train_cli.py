@@ -60,8 +60,10 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     for key in ("rollout/em", "rollout/valid_answer_rate", "rollout/avg_searches", "backoff/all_zero_share",
                 "backoff/fallback_share", "teacher/calls", "teacher/errors", "time/rollout", "time/teacher",
                 "time/update", "train/loss", "memory/peak_rss_gb", "train/engine_logp_diff_mean",
-                "train/engine_logp_diff_max", "train/is_ratio_mean", "rollout/length_cut_share"):
+                "train/engine_logp_diff_max", "train/is_ratio_mean", "rollout/length_cut_share", "time/cpu",
+                "host/other_cpu_s", "host/steal_share"):
         assert key in metrics[0], key
+    assert 0 < metrics[0]["time/cpu"]  # the run's own CPU seconds over the step (train/gauges.py)
     # the engine (a bf16 HF copy) and the trainer (bf16 with fp32 masters) sample the same policy: small
     # differences, measured; TRL's EOS-based "clipped" figure is replaced by the share cut by the budget
     assert 0 <= metrics[0]["train/engine_logp_diff_mean"] < 0.5

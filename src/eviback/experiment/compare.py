@@ -160,6 +160,8 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         "informative_fallback_share": informative / fallback if fallback else float("nan"),
         "teacher_judged": sum(r.get("teacher/judged", 0) for r in records),
         "teacher_errors": sum(r.get("teacher/errors", 0) for r in records),
+        # the machine under the run (train/gauges.py; NaN for runs logged before these gauges existed)
+        "cpu_s": mean("time/cpu"), "other_cpu_s": mean("host/other_cpu_s"), "steal_share": mean("host/steal_share"),
         "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)
                                           for r in records) / max(1, sum(r.get("teacher/judged", 0) for r in records))),
     }

@@ -171,6 +171,13 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         "arm", "runs", "steps", "step s", "rollout s", "update s", "teacher s", "peak RSS GB", "train F1",
         "KL", "held-out answers changed vs warm start", "all-zero share", "informative / fallback groups",
         "teacher judged", "teacher errors", "teacher tokens / judged"], cost))
+    machine = [[a, _f(r["training"]["step_s"], 1), _f(r["training"]["cpu_s"], 1),
+                _f(r["training"]["cpu_s"] / r["training"]["step_s"], 2) if r["training"]["step_s"] else "",
+                _f(r["training"]["other_cpu_s"], 1), _f(r["training"]["steal_share"], 3)]
+               for a, r in result["arms"].items()]
+    tables.append(("The machine under the runs (means over steps; step times compare only where other "
+                   "processes and steal took little)", ["arm", "step s", "run's CPU s", "cores used",
+                                                       "other processes' CPU s", "steal share"], machine))
     return tables
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -512,23 +511,6 @@ def merge_outcomes(outcomes: Sequence[StepOutcome]) -> StepOutcome:
         teacher_s=max(o.teacher_s for o in outcomes),
         sync_s=max(o.sync_s for o in outcomes),
     )
-
-
-def peak_rss_gb() -> float:
-    """Peak resident memory of this process so far, in GB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
-
-
-def process_gauges() -> dict[str, float | int | None]:
-    """What a long run must keep flat: resident memory now (GB) and open file descriptors (Linux; None
-    where /proc is missing)."""
-    try:
-        pages = int(open("/proc/self/statm").read().split()[1])  # noqa: SIM115 - a one-line read
-        rss = pages * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
-        fds = len(os.listdir("/proc/self/fd"))
-    except (OSError, ValueError):
-        return {"memory/rss_gb": None, "process/open_fds": None}
-    return {"memory/rss_gb": round(rss, 3), "process/open_fds": fds}
 
 
 def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]:

@@ -231,13 +231,12 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     from eviback.policy import load_tokenizer
     from eviback.retrieval import load_retriever, suite_retriever
     from eviback.rollout import RolloutConfig, RolloutEngine
+    from eviback.train.gauges import cpu_gauges, cpu_snapshot, peak_rss_gb, process_gauges
     from eviback.train.grpo import (
         BehaviourCorrection,
         EviBackTrainer,
         compact_group_record,
         group_records,
-        peak_rss_gb,
-        process_gauges,
         step_metrics,
         training_dataset,
     )
@@ -330,9 +329,11 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
 
         def __init__(self) -> None:
             self.step_started = time.perf_counter()
+            self.cpu_started = cpu_snapshot()
 
         def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
             self.step_started = time.perf_counter()
+            self.cpu_started = cpu_snapshot()
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
             if not main or not logs or "loss" not in logs:
@@ -350,6 +351,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             record["time/update"] = max(0.0, record["time/step"] - spent)
             record["memory/peak_rss_gb"] = round(peak_rss_gb(), 3)
             record.update(process_gauges())
+            record.update(cpu_gauges(self.cpu_started, cpu_snapshot()))  # was the machine this run's alone?
             record["run/dir_mb"] = run.size_mb()
             record["processes"] = state_processes
             run.log_metrics(record)

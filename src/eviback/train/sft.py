@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any
 from eviback.data import DataSuite, load_suite
 from eviback.policy import DEFAULT_MODEL, cache_dir, file_lock, load_tokenizer, resolve_model, set_threads
 from eviback.train import warmstart_data as wsd
+from eviback.train.gauges import peak_rss_gb
 from eviback.types import to_dict
 
 log = logging.getLogger(__name__)
@@ -376,7 +376,3 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
         losses=losses,
     )
 
-
-def peak_rss_gb() -> float:
-    """This process's peak resident set size (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
