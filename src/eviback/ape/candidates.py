@@ -254,10 +254,10 @@ def _system_in_user(policy: TeacherPolicy) -> TeacherPolicy:
 @register_mutation("sampled", "every stage samples at temperature 0.7 (seeded) instead of greedy decoding")
 def _sampled(policy: TeacherPolicy) -> TeacherPolicy:
     # A trained classifier's stage does not sample: its decoding is left as it is.
-    if all(s.decoding.temperature > 0 or s.backend for s in policy.stages):
+    if all(s.decoding.temperature > 0 or s.is_classifier for s in policy.stages):
         raise NotApplicable("every LLM stage already samples")
     return dataclasses.replace(policy, stages=tuple(
-        s if s.backend else
+        s if s.is_classifier else
         dataclasses.replace(s, decoding=dataclasses.replace(s.decoding, temperature=0.7, seed=s.decoding.seed or 0))
         for s in policy.stages))
 

@@ -140,7 +140,7 @@ def not_applicable(check: str, policy: TeacherPolicy) -> str | None:
     """Why `check` cannot measure anything for `policy` (None: it can). Repeated sampling of a policy whose
     every stage decodes greedily repeats one output: its agreement would be 1.00 by construction, not a
     measurement, so the check is reported as not applicable instead."""
-    if check == "repeated_sampling" and all(s.decoding.temperature == 0 or s.backend for s in policy.stages):
+    if check == "repeated_sampling" and all(s.deterministic for s in policy.stages):
         return ("every stage decodes greedily (temperature 0) or is a trained classifier: repeated samples are "
                 "identical by construction")
     return None

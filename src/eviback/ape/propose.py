@@ -90,7 +90,7 @@ def refinable(candidate: Candidate) -> bool:
     """Whether a round can refine `candidate`: its status is decided by a prompt. A trained classifier's
     verdicts (a `backend` status stage) do not depend on any prompt, so no proposal or prompt variant of it
     can change the objective; it competes in selection but does not parent a round."""
-    return not candidate.policy.status_stage.backend
+    return not candidate.policy.status_stage.is_classifier
 
 
 def best_so_far(run: ApeRun) -> Candidate | None:

@@ -140,7 +140,7 @@ class Teacher:
         # stages answered by a classifier artifact instead of `client` (a trained evidence judge)
         self.stage_clients: dict[str, TeacherClient] = {}
         for stage in policy.stages:
-            if stage.backend:
+            if stage.is_classifier:
                 from eviback.teacher.evidence_judge import open_classifier
 
                 self.stage_clients[stage.name] = open_classifier(stage.backend)

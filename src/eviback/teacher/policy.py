@@ -109,6 +109,16 @@ class StageSpec:
     def decides_status(self) -> bool:
         return OutputField.STATUS in self.outputs
 
+    @property
+    def is_classifier(self) -> bool:
+        """A trained classifier answers it (`backend`): no prompt or decoding setting changes its verdicts."""
+        return bool(self.backend)
+
+    @property
+    def deterministic(self) -> bool:
+        """Its reply repeats exactly for the same request: greedy decoding, or a classifier."""
+        return self.decoding.temperature == 0 or self.is_classifier
+
     def placeholders(self) -> set[str]:
         """The `$names` its templates use."""
         names: set[str] = set()
