@@ -225,7 +225,13 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     # the warm start and both runs started from the same weights, checked by their hash
     assert [sorted(v) for v in comparison["start_policies"].values()] == [["eviback seed 0", "grpo seed 0",
                                                                            "warm start"]]
-    assert "| eviback - grpo | 6 |" in (out / "comparison.md").read_text()
+    training = comparison["arms"]["eviback"]["training"]
+    assert sum(training["teacher_status"].values()) + training["teacher_errors"] == training["teacher_judged"]
+    assert training["cpu_s"] > 0 and comparison["arms"]["grpo"]["training"]["stage_b_runs"] == 0
+    text = (out / "comparison.md").read_text()
+    assert "| eviback - grpo | 6 |" in text
+    assert ("What the teacher said" in text) == (training["teacher_judged"] > 0)
+    assert "The machine under the runs" in text
     assert "data:image/png;base64," in (out / "comparison.html").read_text()
     log = subprocess.run([*git, "log", "--format=%s"], cwd=tmp_path, capture_output=True, text=True).stdout
     assert log.splitlines() == ["experiment ci: eviback seed 0 (2 steps) and the refreshed comparison",

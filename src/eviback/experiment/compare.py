@@ -160,6 +160,10 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         "informative_fallback_share": informative / fallback if fallback else float("nan"),
         "teacher_judged": sum(r.get("teacher/judged", 0) for r in records),
         "teacher_errors": sum(r.get("teacher/errors", 0) for r in records),
+        # what the teacher said: Stage B runs where Stage A did not say I; ungrounded: it lowered S to I
+        "teacher_status": {st: sum(r.get(f"teacher/status_{st}", 0) for r in records) for st in ("S", "A", "I")},
+        "stage_b_runs": sum(r.get("teacher/stage_b_runs", 0) for r in records),
+        "stage_b_ungrounded": sum(r.get("teacher/stage_b_ungrounded", 0) for r in records),
         # the machine under the run (train/gauges.py; NaN for runs logged before these gauges existed)
         "cpu_s": mean("time/cpu"), "other_cpu_s": mean("host/other_cpu_s"), "steal_share": mean("host/steal_share"),
         "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)

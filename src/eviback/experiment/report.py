@@ -171,6 +171,14 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         "arm", "runs", "steps", "step s", "rollout s", "update s", "teacher s", "peak RSS GB", "train F1",
         "KL", "held-out answers changed vs warm start", "all-zero share", "informative / fallback groups",
         "teacher judged", "teacher errors", "teacher tokens / judged"], cost))
+    verdicts = [[a, str(t["teacher_judged"]), str(t["stage_b_runs"]), str(t["stage_b_ungrounded"]),
+                 " / ".join(str(t["teacher_status"][st]) for st in ("S", "A", "I")), str(t["teacher_errors"]),
+                 f"{t['informative_fallback_groups']} / {t['fallback_groups']}"]
+                for a, r in result["arms"].items() if (t := r["training"])["teacher_judged"]]
+    if verdicts:
+        tables.append(("What the teacher said (sums over steps and seeds)", [
+            "arm", "rollouts judged", "Stage A not I (Stage B ran)", "Stage B lowered to I (answer not in the "
+            "evidence)", "final S / A / I", "teacher errors", "informative / fallback groups"], verdicts))
     machine = [[a, _f(r["training"]["step_s"], 1), _f(r["training"]["cpu_s"], 1),
                 _f(r["training"]["cpu_s"] / r["training"]["step_s"], 2) if r["training"]["step_s"] else "",
                 _f(r["training"]["other_cpu_s"], 1), _f(r["training"]["steal_share"], 3)]
