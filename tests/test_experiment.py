@@ -67,6 +67,19 @@ def test_paired_bootstrap_resamples_seeds_and_averages_benchmarks():
                                                                                      seed=3)
 
 
+def test_arms_run_on_the_same_seeds_pair_run_s_with_run_s():
+    # seed 1 is far better than seed 0 in both arms, and the arm is 0.05 above the baseline in each seed:
+    # drawn together, the seeds cancel; drawn apart, the seed spread swamps the 0.05
+    base = runs_of([[0.2] * 50, [0.8] * 50])
+    arm = runs_of([[0.25] * 50, [0.85] * 50])
+    paired = paired_bootstrap(arm, base, "f1", samples=1000, paired_seeds=True)["macro"]
+    assert paired.diff == pytest.approx(0.05) and paired.lo == pytest.approx(0.05) and paired.hi == pytest.approx(0.05)
+    apart = paired_bootstrap(arm, base, "f1", samples=1000)["macro"]
+    assert apart.diff == pytest.approx(0.05) and apart.lo < 0 < apart.hi
+    with pytest.raises(ValueError, match="as many runs"):
+        paired_bootstrap(arm[:1], base, "f1", paired_seeds=True)
+
+
 def test_runs_on_different_items_cannot_be_paired():
     with pytest.raises(ValueError, match="different items"):
         common_keys(runs_of([[0.0, 1.0]]), runs_of([[0.0]]))
@@ -229,7 +242,7 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     assert sum(training["teacher_status"].values()) + training["teacher_errors"] == training["teacher_judged"]
     assert training["cpu_s"] > 0 and comparison["arms"]["grpo"]["training"]["stage_b_runs"] == 0
     text = (out / "comparison.md").read_text()
-    assert "| eviback - grpo | 6 |" in text
+    assert "| eviback - grpo | 0 paired | 6 |" in text
     assert ("What the teacher said" in text) == (training["teacher_judged"] > 0)
     assert "The machine under the runs" in text
     assert "data:image/png;base64," in (out / "comparison.html").read_text()

@@ -2,9 +2,11 @@
 per-step training curves averaged over seeds. Pure functions over records; nothing here reads a file.
 
 The bootstrap resamples what varies between two repetitions of the experiment: the evaluation items
-(within each benchmark, so that every set keeps its size and the macro average its weights) and the seeds
-(within each arm). Both arms are scored on the same resampled items, which is what makes the difference
-paired: item difficulty cancels, and the interval measures what is left.
+(within each benchmark, so that every set keeps its size and the macro average its weights) and the seeds.
+Both arms are scored on the same resampled items, which is what makes the difference paired: item
+difficulty cancels, and the interval measures what is left. Seeds pair the same way when both arms ran the
+same ones (run `seed: s` of every arm draws the same questions with the same sampling seeds, so two arms'
+runs of one seed share their path until their updates differ): one resampled seed picks both arms' runs.
 """
 
 from __future__ import annotations
@@ -82,10 +84,13 @@ def common_keys(*arms: Sequence[RunItems]) -> list[Key]:
 
 
 def paired_bootstrap(arm: Sequence[RunItems], base: Sequence[RunItems], metric: str, *, samples: int = 2000,
-                     seed: int = 0) -> dict[str, Interval]:
+                     seed: int = 0, paired_seeds: bool = False) -> dict[str, Interval]:
     """Arm minus baseline on `metric`, per benchmark and as the macro average over benchmarks ("macro"),
-    each with a 95% percentile interval over `samples` resamples of items (within benchmarks) and seeds
-    (within each arm)."""
+    each with a 95% percentile interval over `samples` resamples of items (within benchmarks) and seeds:
+    with `paired_seeds`, run i of `arm` and run i of `base` are the same seed and are drawn together (the
+    two lists must be as long); otherwise each arm's seeds are drawn on their own."""
+    if paired_seeds and len(arm) != len(base):
+        raise ValueError(f"paired seeds need as many runs in each arm, got {len(arm)} and {len(base)}")
     keys = common_keys(arm, base)
     a, b = _matrix(arm, keys, metric), _matrix(base, keys, metric)
     by_benchmark: dict[str, list[int]] = defaultdict(list)
@@ -93,8 +98,9 @@ def paired_bootstrap(arm: Sequence[RunItems], base: Sequence[RunItems], metric: 
         by_benchmark[benchmark].append(i)
     rng = np.random.default_rng(seed)
     # seeds resampled per replicate, then averaged: (samples, items) per arm
-    a_rep = a[rng.integers(0, len(a), (samples, len(a)))].mean(axis=1)
-    b_rep = b[rng.integers(0, len(b), (samples, len(b)))].mean(axis=1)
+    a_seeds = rng.integers(0, len(a), (samples, len(a)))
+    b_seeds = a_seeds if paired_seeds else rng.integers(0, len(b), (samples, len(b)))
+    a_rep, b_rep = a[a_seeds].mean(axis=1), b[b_seeds].mean(axis=1)
     out: dict[str, Interval] = {}
     macro_rep = np.zeros(samples)
     macro_point = 0.0

@@ -14,6 +14,7 @@ import base64
 import gzip
 import html
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
     finished = load_finished(config)
     start = config.out / START
     result: dict[str, Any] = {"experiment": config.name, "steps": config.steps, "baseline": config.baseline,
-                              "arms": {}, "differences": {}}
+                              "arms": {}, "differences": {}, "difference_seeds": {}}
     if (start / DONE).exists():
         result["warm_start"] = {"eval": eval_rows([_summary(start)])}
     items = {arm: [_items(d) for _, d in runs] for arm, runs in finished.items()}
@@ -104,10 +105,12 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
             "curves": {key: dict(zip(*mean_curves(metrics, key), strict=True)) for key, _ in CURVES},
         }
 
-    def compare(label: str, a: list, b: list) -> None:
+    def compare(label: str, a: list, b: list, seeds: str, paired_seeds: bool = False) -> None:
+        result["difference_seeds"][label] = seeds  # which runs: "0, 1 paired", "0, 1 - 0", ...
         result["differences"][label] = {
             m: {k: v.to_json() for k, v in paired_bootstrap(a, b, m, samples=config.bootstrap_samples,
-                                                            seed=config.bootstrap_seed).items()}
+                                                            seed=config.bootstrap_seed,
+                                                            paired_seeds=paired_seeds).items()}
             for m in ITEM_METRICS}
 
     starts: dict[str, list[str]] = {}
@@ -119,15 +122,32 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
     result["start_policies"] = starts  # one entry when every run started from the same weights
     base = items.get(config.baseline)
     for arm, arm_items in items.items():
-        if base is not None and arm != config.baseline:
-            compare(f"{arm} - {config.baseline}", arm_items, base)
+        if base is None or arm == config.baseline:
+            continue
+        # Run s of every arm shares its questions and sampling seeds: an arm is compared with the baseline
+        # on the seeds both ran, run s against run s (a baseline seed the arm lacks adds only seed noise).
+        base_seeds = [s for s, _ in finished[config.baseline]]
+        common = [s for s, _ in finished[arm] if s in base_seeds]
+        if common:
+            pick = {s: i for i, (s, _) in enumerate(finished[arm])}
+            pick_base = {s: i for i, s in enumerate(base_seeds)}
+            compare(f"{arm} - {config.baseline}", [arm_items[pick[s]] for s in common],
+                    [base[pick_base[s]] for s in common], f"{_seeds(common)} paired", paired_seeds=True)
+        else:
+            compare(f"{arm} - {config.baseline}", arm_items, base,
+                    f"{_seeds(s for s, _ in finished[arm])} - {_seeds(base_seeds)}")
     if base is not None and len(base) >= 2:  # the noise floor: one seed of the baseline against another
         seeds = [s for s, _ in finished[config.baseline]]
-        compare(f"{config.baseline} seed {seeds[1]} - {config.baseline} seed {seeds[0]}", base[1:2], base[:1])
+        compare(f"{config.baseline} seed {seeds[1]} - {config.baseline} seed {seeds[0]}", base[1:2], base[:1],
+                f"{seeds[1]} - {seeds[0]}")
     if start_items:
         for arm, arm_items in items.items():
-            compare(f"{arm} - warm start", arm_items, start_items)
+            compare(f"{arm} - warm start", arm_items, start_items, _seeds(s for s, _ in finished[arm]))
     return result
+
+
+def _seeds(seeds: Iterable[int]) -> str:
+    return ", ".join(map(str, seeds))
 
 
 def _f(x: float, digits: int = 3) -> str:
@@ -156,9 +176,11 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             d = per_metric[m]["macro"]
             mark = " *" if d["excludes_zero"] else ""
             cells.append(f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{mark}")
-        diff_rows.append([label, str(per_metric["f1"]["macro"]["items"]), *cells])
+        diff_rows.append([label, result.get("difference_seeds", {}).get(label, ""),
+                          str(per_metric["f1"]["macro"]["items"]), *cells])
     tables.append(("Paired differences on the same items, macro average, 95% bootstrap interval over items and "
-                   "seeds (* : the interval excludes 0)", ["comparison", "items",
+                   "seeds (* : the interval excludes 0; seeds 'paired': run s against run s of the same seed)",
+                   ["comparison", "seeds", "items",
                                                          *(DIFF_LABELS[m] for m in ITEM_METRICS)], diff_rows))
     cost = []
     for a, r in result["arms"].items():
