@@ -121,25 +121,25 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
             starts.setdefault(fingerprint[:16], []).append(label)
     result["start_policies"] = starts  # one entry when every run started from the same weights
     base = items.get(config.baseline)
+    base_seeds = [s for s, _ in finished.get(config.baseline, [])]
+    pick_base = {s: i for i, s in enumerate(base_seeds)}
     for arm, arm_items in items.items():
         if base is None or arm == config.baseline:
             continue
         # Run s of every arm shares its questions and sampling seeds: an arm is compared with the baseline
         # on the seeds both ran, run s against run s (a baseline seed the arm lacks adds only seed noise).
-        base_seeds = [s for s, _ in finished[config.baseline]]
-        common = [s for s, _ in finished[arm] if s in base_seeds]
+        common = [s for s, _ in finished[arm] if s in pick_base]
         if common:
             pick = {s: i for i, (s, _) in enumerate(finished[arm])}
-            pick_base = {s: i for i, s in enumerate(base_seeds)}
             compare(f"{arm} - {config.baseline}", [arm_items[pick[s]] for s in common],
                     [base[pick_base[s]] for s in common], f"{_seeds(common)} paired", paired_seeds=True)
         else:
             compare(f"{arm} - {config.baseline}", arm_items, base,
                     f"{_seeds(s for s, _ in finished[arm])} - {_seeds(base_seeds)}")
     if base is not None and len(base) >= 2:  # the noise floor: one seed of the baseline against another
-        seeds = [s for s, _ in finished[config.baseline]]
-        compare(f"{config.baseline} seed {seeds[1]} - {config.baseline} seed {seeds[0]}", base[1:2], base[:1],
-                f"{seeds[1]} - {seeds[0]}")
+        first, second = base_seeds[:2]
+        compare(f"{config.baseline} seed {second} - {config.baseline} seed {first}", base[1:2], base[:1],
+                f"{second} - {first}")
     if start_items:
         for arm, arm_items in items.items():
             compare(f"{arm} - warm start", arm_items, start_items, _seeds(s for s, _ in finished[arm]))
