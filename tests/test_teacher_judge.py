@@ -206,3 +206,47 @@ def test_a_reply_cut_at_max_tokens_names_the_fix_and_is_not_repaid_when_greedy(r
         verdict = t.judge_one(rollouts[0])
     assert verdict.teacher_error and "raise the stage's decoding.max_tokens" in verdict.error
     assert verdict.calls == 1  # temperature 0: the same cut reply would come back
+
+
+class InProcessClient(ScriptedClient):
+    """A scripted client that says it computes in this process (as the local model and the classifier do);
+    it records the thread each call ran in and torch's thread count there."""
+
+    in_process = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def complete(self, request):
+        import torch
+
+        self.calls.append((threading.current_thread().name, torch.get_num_threads()))
+        return super().complete(request)
+
+
+def test_an_in_process_teacher_judges_in_the_calling_thread(rollouts):
+    """Threads add nothing to a model in this process but OpenMP teams that slow the trainer's own compute."""
+    client = InProcessClient()
+    with teacher(client, config=JudgeConfig(concurrency=8)) as t:
+        assert t.in_process
+        verdicts = t.judge(rollouts)
+    assert {name for name, _ in client.calls} == {threading.current_thread().name}
+    with teacher(ScriptedClient(), config=JudgeConfig(concurrency=8)) as t:  # the same verdicts from a pool
+        assert not t.in_process
+        assert [v.status for v in t.judge(rollouts)] == [v.status for v in verdicts]
+    assert not any(thread.name.startswith("teacher") for thread in threading.enumerate())
+
+
+def test_a_mixed_teachers_in_process_stage_runs_single_threaded_in_the_pool(rollouts):
+    import torch
+
+    remote, local = ScriptedClient(), InProcessClient()
+    before = torch.get_num_threads()
+    with teacher(remote, config=JudgeConfig(concurrency=4)) as t:
+        t.stage_clients["A"] = local  # as a trained classifier answers Stage A beside a remote Stage B
+        assert not t.in_process
+        t.judge(rollouts)
+    assert len(local.calls) == len(rollouts) and {s.stage for s in remote.requests} == {"B"}
+    assert all(name.startswith("teacher") and threads == 1 for name, threads in local.calls)
+    assert torch.get_num_threads() == before

@@ -116,6 +116,27 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Compute with `threads` torch intra-op threads in this block, then restore the count (None: no change).
+
+    The count is the calling thread's own (OpenMP's), so another thread's compute is unaffected. Run torch
+    single-threaded in any helper thread: a helper thread that computes with more threads starts an OpenMP
+    team of its own, which stays alive with the helper, and once a process has more such threads than cores,
+    GNU OpenMP stops spin-waiting in *every* team, the trainer's included (docs/training.md measures it)."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16"):
     from transformers import AutoTokenizer
 

@@ -256,6 +256,8 @@ class LocalChatClient:
     reply is that string's text. Sampling is seeded per request (`seed` + sample index); calls are
     serialised (one model)."""
 
+    in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
+
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "bfloat16", *, model=None,  # noqa: ANN001
                  tokenizer=None) -> None:
         from eviback.policy import load_model, load_tokenizer

@@ -25,6 +25,7 @@ from eviback.generation.base import (
     request_caps,
     stop_cut,
 )
+from eviback.policy import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +96,12 @@ class HFBackend:
         # Similar lengths share a micro-batch, so little compute goes to padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
-        before = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-        try:
-            with self.rng.active():
-                for start in range(0, len(order), self.batch_size):
-                    chunk = order[start : start + self.batch_size]
-                    outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
-                    for i, out in zip(chunk, outs, strict=True):
-                        results[i] = out
-        finally:
-            torch.set_num_threads(before)
+        with torch_threads(self.threads), self.rng.active():
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
+                for i, out in zip(chunk, outs, strict=True):
+                    results[i] = out
         return [r for r in results if r is not None]
 
     @torch.no_grad()

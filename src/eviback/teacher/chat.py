@@ -108,7 +108,8 @@ class TeacherClient(Protocol):
     Contract: `complete(request)` returns the reply text (expected to be the JSON object of
     `request.schema`) or raises :class:`TeacherCallError`; it never returns None. It must be safe to call
     from several threads. `backend_id` names the model behind it (it is part of the cache key, so replies of
-    different models are never mixed up)."""
+    different models are never mixed up). A client that computes in this process with torch says so with a
+    class attribute `in_process = True` (see :attr:`~eviback.teacher.judge.Teacher.in_process`)."""
 
     @property
     def backend_id(self) -> str: ...

@@ -501,6 +501,8 @@ class EvidenceJudgeClient:
     """A :class:`~eviback.teacher.chat.TeacherClient` that answers a classifier stage's request (layout
     :data:`~eviback.teacher.policy.CLASSIFIER_TEMPLATE`) with the judge's status. Thread-safe."""
 
+    in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
+
     def __init__(self, directory: str | os.PathLike, sha256: str | None = None) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer

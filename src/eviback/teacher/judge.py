@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from eviback.data import DataError, read_jsonl
+from eviback.policy import torch_threads
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import ChatRequest, SchemaViolation, TeacherCallError, TeacherClient
 from eviback.teacher.labels import Agreement, agreement, trajectory_label
@@ -34,6 +35,11 @@ from eviback.teacher.workflow import StageOutcome, parse_reply, run_workflow
 from eviback.types import Group, Status, Trajectory, Verdict, from_dict
 
 log = logging.getLogger(__name__)
+
+
+def _in_process(client: TeacherClient) -> bool:
+    """The client computes in this process with torch (it says so with `in_process = True`)."""
+    return bool(getattr(client, "in_process", False))
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ class Teacher:
         self._rng = random.Random(seed)
         self._sleep = time.sleep  # replaced in tests to keep backoff instant
         self._pool: ThreadPoolExecutor | None = None  # created on the first concurrent judge call
+        self._in_pool = threading.local()  # `worker` is set in the pool's threads
         # stages answered by a classifier artifact instead of `client` (a trained evidence judge)
         self.stage_clients: dict[str, TeacherClient] = {}
         for stage in policy.stages:
@@ -153,17 +160,30 @@ class Teacher:
         trajectories = list(trajectories)
         if not trajectories:
             return []
-        if min(self.config.concurrency, len(trajectories)) == 1:
+        if min(self.config.concurrency, len(trajectories)) == 1 or self.in_process:
             return [self.judge_one(t, sample_index=sample_index) for t in trajectories]
         return list(self._executor().map(lambda t: self.judge_one(t, sample_index=sample_index), trajectories))
+
+    @property
+    def in_process(self) -> bool:
+        """Every stage is answered in this process (a local model, a classifier): rollouts are then judged
+        one after another in the calling thread, whatever `concurrency` says. Such a client computes one
+        request at a time anyway, and computing from the pool's threads would start an OpenMP team in each,
+        after which every team in the process, the trainer's included, stops spin-waiting: EviBack's
+        policy update took 1.6x as long as GRPO's on 2 cores (docs/training.md)."""
+        return all(_in_process(self.stage_clients.get(stage.name, self.client)) for stage in self.policy.stages)
 
     def _executor(self) -> ThreadPoolExecutor:
         """One pool for the teacher's life: its threads (and the per-thread cache connections they open)
         are reused by every call, rather than a new pool, new threads and new connections per call."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="teacher")
+                self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="teacher",
+                                                initializer=self._mark_worker)
             return self._pool
+
+    def _mark_worker(self) -> None:
+        self._in_pool.worker = True
 
     def judge_groups(self, groups: Sequence[Group], *, sample_index: int = 0) -> list[tuple[Verdict, ...]]:
         """Verdicts per group: all rollouts of all groups are judged concurrently, as one batch."""
@@ -246,7 +266,11 @@ class Teacher:
             start = time.perf_counter()
             reply = None
             try:
-                reply = client.complete(request)
+                # an in-process stage of a mixed teacher (a classifier beside a remote LLM), called from the
+                # pool: single-threaded torch, so that the pool's threads start no OpenMP teams (in_process)
+                single = _in_process(client) and getattr(self._in_pool, "worker", False)
+                with torch_threads(1 if single else None):
+                    reply = client.complete(request)
                 latency += time.perf_counter() - start
                 paid_prompt += reply.prompt_tokens  # a malformed reply was paid for too
                 paid_completion += reply.completion_tokens

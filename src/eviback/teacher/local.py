@@ -47,6 +47,8 @@ class LocalClient:
     Pass `model` and `tokenizer` to share an already loaded model (e.g. with a trainer); otherwise they are
     loaded from `config`."""
 
+    in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
+
     def __init__(self, config: LocalBackendConfig = LocalBackendConfig(), *, model=None, tokenizer=None) -> None:  # noqa: ANN001
         from eviback.policy import load_model, load_tokenizer, set_threads
 
