@@ -123,7 +123,7 @@ def torch_threads(threads: int | None) -> Iterator[None]:
     The count is the calling thread's own (OpenMP's), so another thread's compute is unaffected. Run torch
     single-threaded in any helper thread: a helper thread that computes with more threads starts an OpenMP
     team of its own, which stays alive with the helper, and once a process has more such threads than cores,
-    GNU OpenMP stops spin-waiting in *every* team, the trainer's included (docs/training.md measures it)."""
+    GNU OpenMP stops spin-waiting in *every* team, the trainer's included (results/teacher-threads.md)."""
     if threads is None:
         yield
         return
