@@ -120,7 +120,8 @@ def set_threads(threads: int | None) -> None:
 def torch_threads(threads: int | None) -> Iterator[None]:
     """Compute with `threads` torch intra-op threads in this block, then restore the count (None: no change).
 
-    The count is the calling thread's own (OpenMP's), so another thread's compute is unaffected. Run torch
+    The count is the calling thread's own (OpenMP's), so a thread already computing is unaffected (one that
+    first computes while the block runs takes the block's count as its default). Run torch
     single-threaded in any helper thread: a helper thread that computes with more threads starts an OpenMP
     team of its own, which stays alive with the helper, and once a process has more such threads than cores,
     GNU OpenMP stops spin-waiting in *every* team, the trainer's included (results/teacher-threads.md)."""
