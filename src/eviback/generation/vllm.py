@@ -40,7 +40,7 @@ from eviback.generation.base import (
     iter_weights,
     request_caps,
 )
-from eviback.policy import DEFAULT_MODEL, DTYPES
+from eviback.policy import DEFAULT_MODEL, DTYPES, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +127,10 @@ class VllmBackend:
         self._lock = threading.Lock()  # one generate/update at a time: the engine is not re-entrant
         self.rng = SamplerRNG(config.seed)  # in-process, the sampler draws from torch's default generator
 
-    @contextlib.contextmanager
-    def _threads(self) -> Iterator[None]:
+    def _threads(self) -> contextlib.AbstractContextManager[None]:
         """Compute with `config.threads` torch threads (in-process on CPU), then restore the caller's."""
-        if self.config.threads is None or self.config.executor == "multiprocess" or not self._cpu:
-            yield
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.config.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+        in_process_cpu = self.config.executor != "multiprocess" and self._cpu
+        return torch_threads(self.config.threads if in_process_cpu else None)
 
     def _start(self, path: str, extra: dict):  # noqa: ANN202 - a vllm.LLM
         from vllm import LLM
