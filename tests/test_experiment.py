@@ -116,6 +116,9 @@ def minimal(**extra) -> dict:
     ({"settings": {"lamda": 0.3}}, r"arm 'grpo': unknown setting\(s\) \['lamda'\]"),
     ({"settings": {"group_size": 1}}, "group_size must be >= 2"),
     ({"arms_": []}, "unknown key"),
+    ({"contrasts": [["eviback", "nope"]]}, "no arm named 'nope'"),
+    ({"contrasts": [["grpo", "grpo"]]}, "pair of two different arms"),
+    ({"contrasts": ["eviback"]}, "pair of two different arms"),
 ])
 def test_bad_experiment_files_are_refused_before_any_run(change, message):
     with pytest.raises(ValueError, match=message):
@@ -128,6 +131,47 @@ def test_runs_go_seed_by_seed_and_settings_layer_in_order():
     train = config.train_config(config.arm("eviback"), 1)
     assert (train.mode, train.lam, train.seed, train.build_seed, train.max_steps) == ("eviback", 0.3, 1, 0, 2)
     assert (train.eval_benchmarks, train.eval_limit, train.eval_warm_start) == (["nq"], 2, False)
+
+
+def finished_run(directory: Path, score: float, items: int = 10) -> None:
+    """The files `keep` leaves for a finished run, every held-out item scoring `score` on every metric."""
+    (directory / "eval").mkdir(parents=True)
+    with gzip.open(directory / "eval" / "items.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"benchmark": "nq", "id": str(i), "answer": "x", "f1": score, "em": score,
+                                 "valid_answer": score, "searches": score}) + "\n" for i in range(items))
+    metrics = dict.fromkeys(("em", "f1", "valid_answer_rate", "avg_searches", "duplicate_query_rate",
+                             "forced_termination_rate"), score)
+    (directory / "eval" / "summary.json").write_text(json.dumps({"benchmarks": [{"name": "nq", "metrics": metrics}]}))
+    (directory / "metrics.jsonl").write_text(json.dumps({"step": 1, "time/step": 1.0}) + "\n")
+    (directory / "done.json").write_text("{}\n")
+
+
+def test_contrasts_compare_two_arms_run_s_against_run_s(tmp_path):
+    from eviback.experiment.report import build
+
+    config = parse_experiment({
+        "name": "t", "out": str(tmp_path), "steps": 2, "eval": {"benchmarks": ["nq"], "limit": 10},
+        "arms": [{"name": "grpo", "preset": "grpo", "seeds": [0, 1]},
+                 {"name": "eviback", "preset": "eviback", "seeds": [0, 1]},
+                 {"name": "single", "preset": "eviback-single-prompt", "seeds": [1]},
+                 {"name": "dapo", "preset": "dapo", "seeds": [5]}],
+        "contrasts": [["eviback", "single"], ["dapo", "eviback"]]})
+    for arm, seed, score in [("grpo", 0, 0.2), ("grpo", 1, 0.8), ("eviback", 0, 0.3), ("eviback", 1, 0.9),
+                             ("single", 1, 0.6), ("dapo", 5, 0.5)]:
+        finished_run(tmp_path / arm / f"seed-{seed}", score)
+    result = build(config)
+    assert set(result["differences"]) == {"eviback - grpo", "single - grpo", "dapo - grpo", "eviback - single",
+                                          "dapo - eviback", "grpo seed 1 - grpo seed 0"}
+    # on the seed both ran (1), paired: EviBack's 0.9 against the single-prompt run's 0.6, with no noise
+    contrast = result["differences"]["eviback - single"]["f1"]["macro"]
+    assert (contrast["diff"], contrast["lo"], contrast["hi"]) == pytest.approx((0.3, 0.3, 0.3))
+    assert result["difference_seeds"]["eviback - single"] == "1 paired"
+    # no seed in common: every run of one arm against every run of the other
+    apart = result["differences"]["dapo - eviback"]["f1"]["macro"]
+    assert apart["diff"] == pytest.approx(-0.1) and result["difference_seeds"]["dapo - eviback"] == "5 - 0, 1"
+    # a contrast with an arm that has no finished run yet is left out, not an error
+    (tmp_path / "single" / "seed-1" / "done.json").unlink()
+    assert "eviback - single" not in build(config)["differences"]
 
 
 @pytest.mark.parametrize("name", ["cpu.yaml", "lr-probe.yaml", "gpu.yaml"])
@@ -202,6 +246,7 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     spec = {"name": "ci", "out": "results/ci", "work": "runs/ci", "steps": 2, "baseline": "grpo", "settings": TINY,
             "eval": {"benchmarks": ["nq", "hotpotqa"], "limit": 3}, "bootstrap_samples": 200,
+            "contrasts": [["grpo", "eviback"]],
             "arms": [{"name": "grpo", "preset": "grpo"}, {"name": "eviback", "preset": "eviback"}]}
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(spec))
     data = str(embedded_root())
@@ -231,9 +276,14 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
             assert data not in path.read_text(), path
     assert "data_files" in yaml.safe_load((out / "experiment.yaml").read_text())
     comparison = json.loads((out / "comparison.json").read_text())
-    assert set(comparison["differences"]) == {"eviback - grpo", "grpo - warm start", "eviback - warm start"}
+    assert set(comparison["differences"]) == {"eviback - grpo", "grpo - eviback", "grpo - warm start",
+                                              "eviback - warm start"}
     macro = comparison["differences"]["eviback - grpo"]["f1"]["macro"]
     assert macro["items"] == 6 and macro["lo"] <= macro["diff"] <= macro["hi"]
+    # a contrast is the same pairing the other way round
+    reverse = comparison["differences"]["grpo - eviback"]["f1"]["macro"]
+    assert reverse["diff"] == pytest.approx(-macro["diff"])
+    assert comparison["difference_seeds"]["grpo - eviback"] == "0 paired"
     assert comparison["arms"]["eviback"]["training"]["steps"] == 2
     # the warm start and both runs started from the same weights, checked by their hash
     assert [sorted(v) for v in comparison["start_policies"].values()] == [["eviback seed 0", "grpo seed 0",

@@ -5,6 +5,7 @@
     launch: [accelerate, launch, --num_processes, "8", -m]   # optional: how each run starts (default: python -m)
     steps: 40                      # optimisation steps of every run
     baseline: grpo                 # the arm every other arm is compared with, item by item
+    contrasts: [[eviback, eviback-single-prompt]]   # optional: more "a - b" comparisons of two arms
     settings: {group_size: 5, learning_rate: 1.0e-5, ...}   # `eviback train` settings shared by every arm
     eval: {benchmarks: [nq, popqa, hotpotqa], limit: 100}
     arms:
@@ -62,6 +63,8 @@ class ExperimentConfig:
     # how a run's `eviback.cli train` module is started: `python -m` by default; e.g. [accelerate, launch,
     # --num_processes, "8", -m] for several GPUs
     launch: tuple[str, ...] = ()
+    # further comparisons than each arm against the baseline: (a, b) reports "a - b", run s against run s
+    contrasts: tuple[tuple[str, str], ...] = ()
 
     @property
     def work_dir(self) -> Path:
@@ -98,12 +101,22 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+def _contrasts(value: Any, source: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for i, pair in enumerate(value or []):
+        if not isinstance(pair, list | tuple) or len(pair) != 2 or pair[0] == pair[1]:
+            raise ValueError(f"{source}: contrasts[{i}] must be a pair of two different arms [a, b] "
+                             f"(reported as a - b), got {pair!r}")
+        pairs.append((str(pair[0]), str(pair[1])))
+    return tuple(pairs)
+
+
 def parse_experiment(spec: dict[str, Any], source: str = "<experiment>") -> ExperimentConfig:
     """Validate an experiment mapping (as loaded from YAML). Every run's training configuration is resolved
     here, so that a bad setting stops the experiment before its first run, not hours into it."""
     spec = _mapping(spec, source)
     known = {"name", "out", "work", "steps", "baseline", "settings", "eval", "arms", "bootstrap_samples",
-             "bootstrap_seed", "launch"}
+             "bootstrap_seed", "launch", "contrasts"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {unknown}; known: {sorted(known)}")
@@ -139,10 +152,13 @@ def parse_experiment(spec: dict[str, Any], source: str = "<experiment>") -> Expe
         work=Path(spec["work"]) if spec.get("work") else None,
         bootstrap_samples=int(spec.get("bootstrap_samples", 2000)), bootstrap_seed=int(spec.get("bootstrap_seed", 0)),
         launch=tuple(str(x) for x in spec.get("launch") or ()),
+        contrasts=_contrasts(spec.get("contrasts"), source),
     )
     if not NAME.match(config.name):
         raise ValueError(f"{source}: name {config.name!r} must be letters, digits, '.', '_' or '-'")
     config.arm(config.baseline)  # raises when the baseline is not an arm
+    for name in (name for pair in config.contrasts for name in pair):
+        config.arm(name)  # raises when a contrast names no arm
     if config.steps < 1 or config.eval_limit < 1 or config.bootstrap_samples < 100:
         raise ValueError(f"{source}: steps and eval.limit must be >= 1 and bootstrap_samples >= 100")
     for arm, seed in config.runs():

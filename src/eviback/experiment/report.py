@@ -120,22 +120,28 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
             fingerprint = json.loads((directory / "start.json").read_text())["fingerprint"]
             starts.setdefault(fingerprint[:16], []).append(label)
     result["start_policies"] = starts  # one entry when every run started from the same weights
+
+    def against(arm: str, other: str) -> None:
+        # Run s of every arm shares its questions and sampling seeds: two arms are compared on the seeds both
+        # ran, run s against run s (a seed only one of them ran adds only seed noise); apart when they share none.
+        pick = {s: i for i, (s, _) in enumerate(finished[other])}
+        common = [s for s, _ in finished[arm] if s in pick]
+        if common:
+            own = {s: i for i, (s, _) in enumerate(finished[arm])}
+            compare(f"{arm} - {other}", [items[arm][own[s]] for s in common],
+                    [items[other][pick[s]] for s in common], f"{_seeds(common)} paired", paired_seeds=True)
+        else:
+            compare(f"{arm} - {other}", items[arm], items[other],
+                    f"{_seeds(s for s, _ in finished[arm])} - {_seeds(s for s, _ in finished[other])}")
+
     base = items.get(config.baseline)
     base_seeds = [s for s, _ in finished.get(config.baseline, [])]
-    pick_base = {s: i for i, s in enumerate(base_seeds)}
-    for arm, arm_items in items.items():
-        if base is None or arm == config.baseline:
-            continue
-        # Run s of every arm shares its questions and sampling seeds: an arm is compared with the baseline
-        # on the seeds both ran, run s against run s (a baseline seed the arm lacks adds only seed noise).
-        common = [s for s, _ in finished[arm] if s in pick_base]
-        if common:
-            pick = {s: i for i, (s, _) in enumerate(finished[arm])}
-            compare(f"{arm} - {config.baseline}", [arm_items[pick[s]] for s in common],
-                    [base[pick_base[s]] for s in common], f"{_seeds(common)} paired", paired_seeds=True)
-        else:
-            compare(f"{arm} - {config.baseline}", arm_items, base,
-                    f"{_seeds(s for s, _ in finished[arm])} - {_seeds(base_seeds)}")
+    for arm in items:
+        if base is not None and arm != config.baseline:
+            against(arm, config.baseline)
+    for arm, other in config.contrasts:
+        if arm in items and other in items:
+            against(arm, other)
     if base is not None and len(base) >= 2:  # the noise floor: one seed of the baseline against another
         first, second = base_seeds[:2]
         compare(f"{config.baseline} seed {second} - {config.baseline} seed {first}", base[1:2], base[:1],
