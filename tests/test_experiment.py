@@ -133,9 +133,12 @@ def test_runs_go_seed_by_seed_and_settings_layer_in_order():
     assert (train.eval_benchmarks, train.eval_limit, train.eval_warm_start) == (["nq"], 2, False)
 
 
-def finished_run(directory: Path, score: float, items: int = 10) -> None:
-    """The files `keep` leaves for a finished run, every held-out item scoring `score` on every metric."""
+def finished_run(directory: Path, score: float, items: int = 10, start: str | None = None) -> None:
+    """The files `keep` leaves for a finished run, every held-out item scoring `score` on every metric; `start`:
+    the fingerprint of the weights it began from."""
     (directory / "eval").mkdir(parents=True)
+    if start is not None:
+        (directory / "start.json").write_text(json.dumps({"policy": "key", "fingerprint": start}))
     with gzip.open(directory / "eval" / "items.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"benchmark": "nq", "id": str(i), "answer": "x", "f1": score, "em": score,
                                  "valid_answer": score, "searches": score}) + "\n" for i in range(items))
@@ -172,6 +175,51 @@ def test_contrasts_compare_two_arms_run_s_against_run_s(tmp_path):
     # a contrast with an arm that has no finished run yet is left out, not an error
     (tmp_path / "single" / "seed-1" / "done.json").unlink()
     assert "eviback - single" not in build(config)["differences"]
+
+
+def test_a_run_from_another_warm_start_is_measured_from_its_own(tmp_path, monkeypatch):
+    from eviback.experiment import run
+    from eviback.experiment.report import build, markdown
+
+    config = parse_experiment({
+        "name": "t", "out": str(tmp_path / "out"), "work": str(tmp_path / "work"), "steps": 2,
+        "eval": {"benchmarks": ["nq"], "limit": 10},
+        "arms": [{"name": "grpo", "preset": "grpo"}, {"name": "single", "preset": "eviback-single-prompt"}]})
+    a, b = "a" * 64, "b" * 64  # the experiment's warm start, and one rebuilt on another machine
+    out = tmp_path / "out"
+    finished_run(out / "warm-start", 0.1, start=a)
+    finished_run(out / "grpo" / "seed-0", 0.2, start=a)
+    finished_run(out / "single" / "seed-0", 0.6, start=b)
+    assert run.unevaluated_starts(config) == {b}
+
+    # this machine's warm start is a third one: nothing is kept, and the runs stay compared with warm-start/
+    def child(fingerprint: str):
+        def fake(command):
+            work = tmp_path / "work" / "other-start"
+            (work / "start.json").write_text(json.dumps({"policy": "key", "fingerprint": fingerprint}))
+            if fingerprint in command[-1]:  # the child evaluates only a wanted start
+                finished_run(tmp_path / "fresh", 0.4)
+                for name in ("eval/summary.json", "eval/items.jsonl.gz"):
+                    (work / name).parent.mkdir(exist_ok=True)
+                    (work / name).write_bytes((tmp_path / "fresh" / name).read_bytes())
+                with gzip.open(work / "eval" / "items.jsonl.gz", "rb") as f:
+                    (work / "eval" / "items.jsonl").write_bytes(f.read())
+        return fake
+
+    monkeypatch.setattr(run, "run_process", child("c" * 64))
+    assert run.evaluate_other_start(config) is None and run.unevaluated_starts(config) == {b}
+    # it is the one the single-prompt run began from: evaluated once, kept beside warm-start/
+    monkeypatch.setattr(run, "run_process", child(b))
+    assert run.evaluate_other_start(config) == out / f"warm-start-{b[:16]}"
+    assert run.unevaluated_starts(config) == set()
+
+    result = build(config)
+    differences = {k: v["f1"]["macro"]["diff"] for k, v in result["differences"].items()}
+    assert differences == pytest.approx({"single - grpo": 0.4, "grpo - warm start": 0.1,
+                                         f"warm start {b[:16]} - warm start": 0.3,
+                                         f"single - warm start {b[:16]}": 0.2})
+    text = markdown(result)
+    assert "did not all start from the same weights" in text and f"| warm start {b[:16]} | macro |" in text
 
 
 @pytest.mark.parametrize("name", ["cpu.yaml", "lr-probe.yaml", "gpu.yaml"])

@@ -29,7 +29,7 @@ from eviback.experiment.compare import (
     training_summary,
 )
 from eviback.experiment.config import ExperimentConfig
-from eviback.experiment.run import DONE, START, run_dir
+from eviback.experiment.run import DONE, START, run_dir, start_fingerprint
 from eviback.metrics import normalize_answer
 
 EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
@@ -92,16 +92,28 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
         result["warm_start"] = {"eval": eval_rows([_summary(start)])}
     items = {arm: [_items(d) for _, d in runs] for arm, runs in finished.items()}
     start_items = [_items(start)] if (start / DONE).exists() else []
-    start_answers = _answers(start) if start_items else {}
+    # every evaluated start by its fingerprint: the experiment's, and any other warm start a run began from
+    # (rebuilt on another machine; `<out>/warm-start-<fingerprint>/`), so that each run is measured from its own
+    evaluated = {fp: d for d in [start, *sorted(config.out.glob(f"{START}-*"))]
+                 if (d / DONE).exists() and (fp := start_fingerprint(d)) is not None}
+    main = start_fingerprint(start) if start_items else None
+    others = {fp: d for fp, d in evaluated.items() if fp and fp != main}
+    if others:
+        result["other_starts"] = {fp[:16]: {"eval": eval_rows([_summary(d)])} for fp, d in others.items()}
+    answers = {d: _answers(d) for d in evaluated.values()}
+
+    def own_start(run: Path) -> Path | None:
+        return evaluated.get(start_fingerprint(run), start if start_items else None)
+
     for arm, runs in finished.items():
         metrics = [_metrics(d) for _, d in runs]
+        changed = [changed_share(_answers(d), answers[own]) for _, d in runs if (own := own_start(d)) is not None]
         result["arms"][arm] = {
             "seeds": [s for s, _ in runs],
             "eval": eval_rows([_summary(d) for _, d in runs]),
             "eval_per_seed": {str(s): eval_rows([_summary(d)])["macro"] for s, d in runs},
             "training": training_summary(metrics),
-            "answers_changed": (sum(changed_share(_answers(d), start_answers) for _, d in runs) / len(runs)
-                                if start_answers else None),
+            "answers_changed": sum(changed) / len(changed) if changed else None,
             "curves": {key: dict(zip(*mean_curves(metrics, key), strict=True)) for key, _ in CURVES},
         }
 
@@ -114,10 +126,9 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
             for m in ITEM_METRICS}
 
     starts: dict[str, list[str]] = {}
-    for label, directory in [("warm start", start), *((f"{a} seed {s}", d) for a, runs in finished.items()
-                                                      for s, d in runs)]:
-        if (directory / "start.json").exists():
-            fingerprint = json.loads((directory / "start.json").read_text())["fingerprint"]
+    for label, directory in [("warm start", start), *((f"warm start {fp[:16]}", d) for fp, d in others.items()),
+                             *((f"{a} seed {s}", d) for a, runs in finished.items() for s, d in runs)]:
+        if (fingerprint := start_fingerprint(directory)) is not None:
             starts.setdefault(fingerprint[:16], []).append(label)
     result["start_policies"] = starts  # one entry when every run started from the same weights
 
@@ -146,9 +157,17 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
         first, second = base_seeds[:2]
         compare(f"{config.baseline} seed {second} - {config.baseline} seed {first}", base[1:2], base[:1],
                 f"{second} - {first}")
-    if start_items:
-        for arm, arm_items in items.items():
-            compare(f"{arm} - warm start", arm_items, start_items, _seeds(s for s, _ in finished[arm]))
+    for fp, directory in others.items() if start_items else ():
+        compare(f"warm start {fp[:16]} - warm start", [_items(directory)], start_items, "")
+    for arm, runs in finished.items():  # each run against the start it began from
+        by_start: dict[Path, list[int]] = {}
+        for i, (_, d) in enumerate(runs):
+            if (own := own_start(d)) is not None:
+                by_start.setdefault(own, []).append(i)
+        for own, picked in by_start.items():
+            label = "warm start" if own == start else f"warm start {start_fingerprint(own)[:16]}"
+            compare(f"{arm} - {label}", [items[arm][i] for i in picked], [_items(own)],
+                    _seeds(runs[i][0] for i in picked))
     return result
 
 
@@ -165,6 +184,7 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     tables = []
     rows = []
     reference = {"warm start": result["warm_start"]["eval"]} if "warm_start" in result else {}
+    reference.update({f"warm start {fp}": r["eval"] for fp, r in result.get("other_starts", {}).items()})
     policies = {**reference, **{f"{a} (mean of {len(r['seeds'])})": r["eval"] for a, r in result["arms"].items()}}
     for name, sets in policies.items():
         for split, m in sets.items():
@@ -223,8 +243,10 @@ def start_line(result: dict[str, Any]) -> str:
         return f"Every run started from the same weights (fingerprint {next(iter(starts))})."
     if not starts:
         return "The runs' starting weights are not recorded."
+    compared = ("; each run is compared with the start it began from where that start was evaluated "
+                f"(warm start {', '.join(result['other_starts'])})" if result.get("other_starts") else "")
     return "**The runs did not all start from the same weights**: " + "; ".join(
-        f"{k}: {', '.join(v)}" for k, v in starts.items())
+        f"{k}: {', '.join(v)}" for k, v in starts.items()) + compared + "."
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -7,7 +7,9 @@ worth keeping is copied to `<out>/<arm>/seed-<seed>/` and marked done:
     config.yaml  metrics.jsonl  groups.jsonl.gz  teacher.json  start.json  eval/summary.json  eval/items.jsonl.gz
     done.json
 
-so that `<out>` holds every number of the comparison and no checkpoint. A done run is never redone; an
+so that `<out>` holds every number of the comparison and no checkpoint (and `<out>/warm-start/`, the start
+evaluated on the same questions; `<out>/warm-start-<fingerprint>/` for another warm start a run began from,
+rebuilt on another machine). A done run is never redone; an
 interrupted one resumes from its last checkpoint (`eviback train --resume`). With `commit`, each finished
 run and the refreshed comparison are committed to git at once, so an interrupted experiment loses at most
 the run in progress.
@@ -142,20 +144,72 @@ def evaluate_start(config: ExperimentConfig) -> Path:
     target = config.out / START
     if (target / DONE).exists():
         return target
-    baseline = config.arm(config.baseline)
-    train = config.train_config(baseline, baseline.seeds[0])
     work = config.work_dir / START
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "config.yaml").write_text(yaml.safe_dump(train.to_dict(), sort_keys=False))
-    code = f"from eviback.experiment.run import _evaluate_start_child; _evaluate_start_child({str(work)!r})"
-    log.info("evaluating the warm start on the held-out questions (%s x %d)", ", ".join(config.eval_benchmarks),
-             config.eval_limit)
-    run_process([sys.executable, "-c", code])
+    _evaluate_this_start(config, work)
     keep(work, target, {"run": START, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, config.settings.get("data"))
     return target
 
 
-def _evaluate_start_child(work: str) -> None:
+def start_fingerprint(directory: Path) -> str | None:
+    """The fingerprint of the weights a kept run (or start) began from, from its start.json."""
+    path = directory / "start.json"
+    return json.loads(path.read_text())["fingerprint"] if path.exists() else None
+
+
+def other_start_dir(config: ExperimentConfig, fingerprint: str) -> Path:
+    return config.out / f"{START}-{fingerprint[:16]}"
+
+
+def unevaluated_starts(config: ExperimentConfig) -> set[str]:
+    """Fingerprints that finished runs started from, other than the experiment's warm start's, and not yet
+    evaluated. The warm start is cached per machine, and the CPU fine-tune is not bitwise reproducible across
+    machines: rebuilt on another one it can be a sibling, so a run made there started from other weights."""
+    main = start_fingerprint(config.out / START)
+    if main is None:
+        return set()
+    started = {start_fingerprint(run_dir(config.out, arm.name, seed)) for arm, seed in config.runs()
+               if is_done(config, arm.name, seed)}
+    return {fp for fp in started if fp and fp != main and not (other_start_dir(config, fp) / DONE).exists()}
+
+
+def evaluate_other_start(config: ExperimentConfig) -> Path | None:
+    """When a finished run started from another warm start than `<out>/warm-start/` and this machine's cached
+    warm start is that one, evaluate it once on the same questions into `<out>/warm-start-<fingerprint>/`, so
+    that the run is compared with the weights it started from. Returns the kept directory, if any."""
+    wanted = unevaluated_starts(config)
+    if not wanted:
+        return None
+    work = config.work_dir / "other-start"
+    shutil.rmtree(work, ignore_errors=True)
+    _evaluate_this_start(config, work, wanted)
+    fingerprint = start_fingerprint(work)
+    if fingerprint not in wanted or not (work / "eval" / "summary.json").exists():
+        log.warning("finished runs started from warm start(s) %s, which this machine does not have (its own is "
+                    "%s): they are compared with the experiment's warm start only",
+                    ", ".join(sorted(f[:16] for f in wanted)), (fingerprint or "?")[:16])
+        return None
+    target = other_start_dir(config, fingerprint)
+    keep(work, target, {"run": target.name, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+         config.settings.get("data"))
+    return target
+
+
+def _evaluate_this_start(config: ExperimentConfig, work: Path, wanted: set[str] | None = None) -> None:
+    """This machine's cached warm start (built if missing), evaluated on the held-out questions in its own
+    process, into `work`; with `wanted`, only when its fingerprint is one of them (start.json is written
+    either way)."""
+    baseline = config.arm(config.baseline)
+    train = config.train_config(baseline, baseline.seeds[0])
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.yaml").write_text(yaml.safe_dump(train.to_dict(), sort_keys=False))
+    code = (f"from eviback.experiment.run import _evaluate_start_child; "
+            f"_evaluate_start_child({str(work)!r}, {sorted(wanted) if wanted is not None else None!r})")
+    log.info("evaluating the warm start on the held-out questions (%s x %d)%s", ", ".join(config.eval_benchmarks),
+             config.eval_limit, " if it is the one some finished runs started from" if wanted else "")
+    run_process([sys.executable, "-c", code])
+
+
+def _evaluate_start_child(work: str, wanted: list[str] | None = None) -> None:
     from eviback.cli import configure_logging
     from eviback.evaluate import run_eval
     from eviback.train.config import TrainConfig
@@ -165,6 +219,8 @@ def _evaluate_start_child(work: str) -> None:
     config = TrainConfig(**yaml.safe_load((Path(work) / "config.yaml").read_text()))
     policy = initial_policy(config)
     write_start_record(Path(work) / "start.json", policy)
+    if wanted is not None and start_fingerprint(Path(work)) not in wanted:
+        return
     run_eval(held_out_eval_config(config, Path(work) / "eval", policy))
 
 
@@ -195,10 +251,12 @@ def _run_experiment(config: ExperimentConfig, only: tuple[str, ...], git_commit:
             raise ValueError("--commit needs the results directory inside a git work tree")
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / "experiment.yaml").write_text(yaml.safe_dump(spec_of(config), sort_keys=False))
+    evaluated = (config.out / START / DONE).exists()
     evaluate_start(config)
     if git_commit:
-        commit([config.out / "experiment.yaml", config.out / START], f"experiment {config.name}: the warm start "
-               "evaluated on the held-out questions")
+        commit([config.out / "experiment.yaml", config.out / START], f"experiment {config.name}: " + (
+            "experiment.yaml as it runs now" if evaluated else "the warm start evaluated on the held-out questions"))
+    _evaluate_other_start(config, git_commit, report)
     todo = [(arm, seed) for arm, seed in config.runs() if (not only or arm.name in only)
             and not is_done(config, arm.name, seed)]
     done: list[tuple[str, int]] = []
@@ -219,7 +277,19 @@ def _run_experiment(config: ExperimentConfig, only: tuple[str, ...], git_commit:
         if git_commit:
             commit(written, f"experiment {config.name}: {arm.name} seed {seed} ({config.steps} steps) and the "
                    "refreshed comparison")
+        _evaluate_other_start(config, git_commit, report)
     return done
+
+
+def _evaluate_other_start(config: ExperimentConfig, git_commit: bool,
+                          report: Callable[[ExperimentConfig], list[Path]] | None) -> None:
+    kept = evaluate_other_start(config)
+    if kept is None:
+        return
+    written = [kept, *(report(config) if report is not None else [])]
+    if git_commit:
+        commit(written, f"experiment {config.name}: the warm start {kept.name.removeprefix(START + '-')}, which "
+               "some runs started from, evaluated on the held-out questions and the refreshed comparison")
 
 
 def spec_of(config: ExperimentConfig) -> dict:
@@ -237,6 +307,6 @@ def spec_of(config: ExperimentConfig) -> dict:
             "arms": [{"name": a.name, "preset": a.preset, "seeds": list(a.seeds), "settings": a.settings}
                      for a in config.arms],
             "bootstrap_samples": config.bootstrap_samples, "bootstrap_seed": config.bootstrap_seed,
-            "launch": list(config.launch),
+            "launch": list(config.launch), "contrasts": [list(c) for c in config.contrasts],
             "data_files": {str(p.relative_to(suite.root)) if p.is_relative_to(suite.root) else p.name:
                            file_sha256(p) for p in files}}
