@@ -218,6 +218,7 @@ def test_a_run_from_another_warm_start_is_measured_from_its_own(tmp_path, monkey
     assert differences == pytest.approx({"single - grpo": 0.4, "grpo - warm start": 0.1,
                                          f"warm start {b[:16]} - warm start": 0.3,
                                          f"single - warm start {b[:16]}": 0.2})
+    assert result["difference_seeds"]["single - grpo"] == "0 paired, from different starts"
     text = markdown(result)
     assert "did not all start from the same weights" in text and f"| warm start {b[:16]} | macro |" in text
 

@@ -139,8 +139,12 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
         common = [s for s, _ in finished[arm] if s in pick]
         if common:
             own = {s: i for i, (s, _) in enumerate(finished[arm])}
+            # runs of one seed share their path only from the same weights: say so when they did not
+            apart = any(start_fingerprint(finished[arm][own[s]][1]) != start_fingerprint(finished[other][pick[s]][1])
+                        for s in common)
             compare(f"{arm} - {other}", [items[arm][own[s]] for s in common],
-                    [items[other][pick[s]] for s in common], f"{_seeds(common)} paired", paired_seeds=True)
+                    [items[other][pick[s]] for s in common],
+                    f"{_seeds(common)} paired" + (", from different starts" if apart else ""), paired_seeds=True)
         else:
             compare(f"{arm} - {other}", items[arm], items[other],
                     f"{_seeds(s for s, _ in finished[arm])} - {_seeds(s for s, _ in finished[other])}")
