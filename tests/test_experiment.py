@@ -208,6 +208,9 @@ def test_a_run_from_another_warm_start_is_measured_from_its_own(tmp_path, monkey
 
     monkeypatch.setattr(run, "run_process", child("c" * 64))
     assert run.evaluate_other_start(config) is None and run.unevaluated_starts(config) == {b}
+    # known already (a run made here began from it): no process is started to learn it is not wanted
+    monkeypatch.setattr(run, "run_process", lambda command: pytest.fail("started a process"))
+    assert run.evaluate_other_start(config, this_machine="c" * 64) is None
     # it is the one the single-prompt run began from: evaluated once, kept beside warm-start/
     monkeypatch.setattr(run, "run_process", child(b))
     assert run.evaluate_other_start(config) == out / f"warm-start-{b[:16]}"

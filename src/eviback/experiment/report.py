@@ -97,13 +97,17 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
     evaluated = {fp: d for d in [start, *sorted(config.out.glob(f"{START}-*"))]
                  if (d / DONE).exists() and (fp := start_fingerprint(d)) is not None}
     main = start_fingerprint(start) if start_items else None
-    others = {fp: d for fp, d in evaluated.items() if fp and fp != main}
+    others = {fp: d for fp, d in evaluated.items() if fp != main}
     if others:
         result["other_starts"] = {fp[:16]: {"eval": eval_rows([_summary(d)])} for fp, d in others.items()}
     answers = {d: _answers(d) for d in evaluated.values()}
+    start_scores = {d: _items(d) for d in evaluated.values() if d != start}  # held-out scores of each start
+    if start_items:
+        start_scores[start] = start_items[0]
+    began = {d: start_fingerprint(d) for runs in finished.values() for _, d in runs}  # each run's start
 
     def own_start(run: Path) -> Path | None:
-        return evaluated.get(start_fingerprint(run), start if start_items else None)
+        return evaluated.get(began[run], start if start_items else None)
 
     for arm, runs in finished.items():
         metrics = [_metrics(d) for _, d in runs]
@@ -140,8 +144,7 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
         if common:
             own = {s: i for i, (s, _) in enumerate(finished[arm])}
             # runs of one seed share their path only from the same weights: say so when they did not
-            apart = any(start_fingerprint(finished[arm][own[s]][1]) != start_fingerprint(finished[other][pick[s]][1])
-                        for s in common)
+            apart = any(began[finished[arm][own[s]][1]] != began[finished[other][pick[s]][1]] for s in common)
             compare(f"{arm} - {other}", [items[arm][own[s]] for s in common],
                     [items[other][pick[s]] for s in common],
                     f"{_seeds(common)} paired" + (", from different starts" if apart else ""), paired_seeds=True)
@@ -162,15 +165,15 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
         compare(f"{config.baseline} seed {second} - {config.baseline} seed {first}", base[1:2], base[:1],
                 f"{second} - {first}")
     for fp, directory in others.items() if start_items else ():
-        compare(f"warm start {fp[:16]} - warm start", [_items(directory)], start_items, "")
+        compare(f"warm start {fp[:16]} - warm start", [start_scores[directory]], start_items, "")
     for arm, runs in finished.items():  # each run against the start it began from
         by_start: dict[Path, list[int]] = {}
         for i, (_, d) in enumerate(runs):
             if (own := own_start(d)) is not None:
                 by_start.setdefault(own, []).append(i)
         for own, picked in by_start.items():
-            label = "warm start" if own == start else f"warm start {start_fingerprint(own)[:16]}"
-            compare(f"{arm} - {label}", [items[arm][i] for i in picked], [_items(own)],
+            label = "warm start" if own == start else f"warm start {began[runs[picked[0]][1]][:16]}"
+            compare(f"{arm} - {label}", [items[arm][i] for i in picked], [start_scores[own]],
                     _seeds(runs[i][0] for i in picked))
     return result
 

@@ -172,12 +172,14 @@ def unevaluated_starts(config: ExperimentConfig) -> set[str]:
     return {fp for fp in started if fp and fp != main and not (other_start_dir(config, fp) / DONE).exists()}
 
 
-def evaluate_other_start(config: ExperimentConfig) -> Path | None:
+def evaluate_other_start(config: ExperimentConfig, this_machine: str | None = None) -> Path | None:
     """When a finished run started from another warm start than `<out>/warm-start/` and this machine's cached
     warm start is that one, evaluate it once on the same questions into `<out>/warm-start-<fingerprint>/`, so
-    that the run is compared with the weights it started from. Returns the kept directory, if any."""
+    that the run is compared with the weights it started from. Returns the kept directory, if any.
+    `this_machine`: the fingerprint of this machine's warm start when already known (a run made here just
+    started from it), so that no process is started to learn that it is not wanted."""
     wanted = unevaluated_starts(config)
-    if not wanted:
+    if not wanted or (this_machine is not None and this_machine not in wanted):
         return None
     work = config.work_dir / "other-start"
     shutil.rmtree(work, ignore_errors=True)
@@ -256,7 +258,7 @@ def _run_experiment(config: ExperimentConfig, only: tuple[str, ...], git_commit:
     if git_commit:
         commit([config.out / "experiment.yaml", config.out / START], f"experiment {config.name}: " + (
             "experiment.yaml as it runs now" if evaluated else "the warm start evaluated on the held-out questions"))
-    _evaluate_other_start(config, git_commit, report)
+    _evaluate_other_start(config, git_commit, report, None)
     todo = [(arm, seed) for arm, seed in config.runs() if (not only or arm.name in only)
             and not is_done(config, arm.name, seed)]
     done: list[tuple[str, int]] = []
@@ -277,13 +279,13 @@ def _run_experiment(config: ExperimentConfig, only: tuple[str, ...], git_commit:
         if git_commit:
             commit(written, f"experiment {config.name}: {arm.name} seed {seed} ({config.steps} steps) and the "
                    "refreshed comparison")
-        _evaluate_other_start(config, git_commit, report)
+        _evaluate_other_start(config, git_commit, report, start_fingerprint(target))
     return done
 
 
 def _evaluate_other_start(config: ExperimentConfig, git_commit: bool,
-                          report: Callable[[ExperimentConfig], list[Path]] | None) -> None:
-    kept = evaluate_other_start(config)
+                          report: Callable[[ExperimentConfig], list[Path]] | None, this_machine: str | None) -> None:
+    kept = evaluate_other_start(config, this_machine)
     if kept is None:
         return
     written = [kept, *(report(config) if report is not None else [])]
