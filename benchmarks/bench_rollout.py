@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=2, help="Search-R1 trains with 2 or 4")
     parser.add_argument("--max-turn-tokens", type=int, default=500)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=4)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--hf-threads", type=int, default=0, help="torch threads for HF generate (0: the faster of 1 and 2, probed)")

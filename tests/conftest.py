@@ -33,4 +33,4 @@ def hf_backend():
     from eviback.generation.hf import HFBackend
 
     # One thread while generating: on a shared 2-core machine two OpenMP threads stall each other.
-    return HFBackend.load("smollm2-135m", dtype="bfloat16", threads=1)
+    return HFBackend.load("smollm2-135m", threads=1)  # dtype auto: bf16 where native, fp32 elsewhere

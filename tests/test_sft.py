@@ -324,7 +324,7 @@ def test_training_questions_that_share_an_evaluation_text_are_left_out(tmp_path,
 def test_config_validation_names_the_fix():
     with pytest.raises(ValueError, match="max_examples must be >= 1"):
         sft.WarmStartConfig(max_examples=0)
-    with pytest.raises(ValueError, match="dtype must be bfloat16 or float32"):
+    with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, float32, got .float16."):
         sft.WarmStartConfig(dtype="float16")
     with pytest.raises(ValueError, match="multi_search_share"):
         sft.WarmStartConfig(multi_search_share=1.5)

@@ -220,23 +220,47 @@ def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_pat
         vllm_backend.update_weights(original.items())
 
 
-def test_bf16_steps_update_the_fp32_masters(tmp_path):
-    """The CPU set-up of `eviback train`: a bf16 model with fp32 masters under TRL, two micro-batches per
-    step. The gradients reach the masters (summed in fp32 and clipped there), the masters move, the bf16
-    model is their rounding, and the logged gradient norm is the fp32 sum's."""
-    from transformers import AutoModelForCausalLM, TrainerCallback
+def tiny_policy(tokenizer, dtype: torch.dtype) -> torch.nn.Module:
+    """A 2-layer model of SmolLM2's architecture and vocabulary, randomly initialised (seeded): a real
+    training step costs milliseconds in either precision, on any CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eviback.policy import resolve_model
+
+    config = AutoConfig.from_pretrained(resolve_model("smollm2-135m", "float32"))
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 64, 128
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 16
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_training_step_in_each_precision(tmp_path, dtype):
+    """The CPU set-ups of `eviback train` under TRL, two micro-batches per step. bfloat16: a bf16 model with
+    fp32 masters; the gradients reach the masters (summed in fp32 and clipped there), the masters move, the
+    bf16 model is their rounding, and the logged gradient norm is the fp32 sum's. float32 (what `auto` picks
+    on a CPU without native bf16): the fp32 model is trained directly by AdamW, no masters."""
+    from transformers import TrainerCallback
     from trl import GRPOConfig
 
     from eviback.policy import load_tokenizer, resolve_model
     from eviback.train.grpo import EviBackTrainer, training_dataset
     from eviback.train.precision import MasterWeightAdamW
+    from eviback.train.runner import Precision, training_precision
 
-    path = resolve_model("smollm2-135m", "float32")
-    tokenizer = load_tokenizer(path)
-    master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    optimizer = MasterWeightAdamW(model, master, lr=1e-4, weight_decay=0.0)
-    before = {k: v.detach().clone() for k, v in master.named_parameters()}
+    tokenizer = load_tokenizer(resolve_model("smollm2-135m", "float32"))
+    precision = training_precision(dtype, cuda=False)
+    if precision is Precision.MASTERS:
+        master = tiny_policy(tokenizer, torch.float32)
+        model = tiny_policy(tokenizer, torch.bfloat16)
+        optimizer = MasterWeightAdamW(model, master, lr=1e-3, weight_decay=0.0)
+        trained = master
+    else:
+        assert precision is Precision.FLOAT32
+        master, model = None, tiny_policy(tokenizer, torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        trained = model
+    before = {k: v.detach().clone() for k, v in trained.named_parameters()}
     engine = RolloutEngine(AlternatingBackend(tokenizer), FixedRetriever(),
                            RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=32, max_context_tokens=1024))
     logged = []
@@ -246,7 +270,7 @@ def test_bf16_steps_update_the_fp32_masters(tmp_path):
             logged.append(dict(logs or {}))
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                      num_generations=2, max_steps=1, learning_rate=1e-4, beta=0.0, max_grad_norm=1.0,
+                      num_generations=2, max_steps=1, learning_rate=1e-3, beta=0.0, max_grad_norm=1.0,
                       use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
                       remove_unused_columns=False, shuffle_dataset=False, disable_tqdm=True)
     trainer = EviBackTrainer(
@@ -256,13 +280,15 @@ def test_bf16_steps_update_the_fp32_masters(tmp_path):
         callbacks=[Logs()],
     )
     trainer.train()
-    moved = [k for k, v in master.named_parameters() if not torch.equal(v, before[k])]
-    assert len(moved) > len(before) // 2  # the verified group's advantages moved the masters
-    for name, p in model.named_parameters():
-        assert torch.equal(p, dict(master.named_parameters())[name].to(torch.bfloat16))
+    moved = [k for k, v in trained.named_parameters() if not torch.equal(v, before[k])]
+    assert len(moved) > len(before) // 2  # the verified group's advantages moved the trained weights
+    assert all(v.dtype == torch.float32 for v in trained.parameters())
+    if master is not None:
+        for name, p in model.named_parameters():
+            assert torch.equal(p, dict(master.named_parameters())[name].to(torch.bfloat16))
+        assert all(p.grad is None for p in model.parameters())  # nothing left in bf16 buffers
     norms = [entry["grad_norm"] for entry in logged if "grad_norm" in entry]
-    assert norms and norms[0] > 0
-    assert all(p.grad is None for p in model.parameters())  # nothing left in bf16 buffers
+    assert norms and math.isfinite(norms[0]) and norms[0] > 0
 
 
 def test_deferred_old_logprobs_give_trls_step(tmp_path):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eviback import dtype as dtypes
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
 from eviback.generation.base import GenerationBackend
 from eviback.metrics import (
@@ -279,7 +280,9 @@ class EvalConfig:
     limit: int | None = field(default=None, metadata={"help": "first N questions of each benchmark"})
     retriever: str | None = field(default=None, metadata={"help": "index directory or http URL (default: BM25 over the suite's corpus)", "identity": True})
     model: str = field(default="smollm2-135m", metadata={"help": "model name or checkpoint directory", "identity": True})
-    dtype: str = field(default="bfloat16", metadata={"help": "model dtype", "identity": True})
+    dtype: str = field(default="auto", metadata={"help": "model dtype: auto (bf16 where the device computes it "
+                       "natively, else fp32: eviback.dtype), bfloat16, float32, float16; the resolved one is part "
+                       "of the identity", "identity": True})
     backend: str = field(default="vllm", metadata={"help": "vllm or hf", "identity": True})
     topk: int = field(default=3, metadata={"help": "passages per search", "identity": True})
     max_turns: int = field(default=4, metadata={"help": "executed turns before the final one", "identity": True})
@@ -296,6 +299,7 @@ class EvalConfig:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        dtypes.check(self.dtype)
 
     def rollout_config(self) -> RolloutConfig:
         return greedy(RolloutConfig(
@@ -310,7 +314,11 @@ class EvalConfig:
         return Path("runs") / "eval" / re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(self.model).name)
 
     def identity(self) -> dict[str, Any]:
-        return {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("identity")}
+        """The settings that must match on resume; `dtype` as resolved on this machine, so a run resumed on a
+        machine where `auto` means another dtype is refused instead of mixing precisions."""
+        identity = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("identity")}
+        identity["dtype"] = dtypes.resolve(self.dtype)
+        return identity
 
 
 def load_tasks(config: EvalConfig) -> list[EvalTask]:
@@ -391,7 +399,8 @@ def _check_resume(out: Path, config: EvalConfig, overwrite: bool) -> None:
             raise ValueError(f"{out} holds an evaluation with other settings ({detail}); "
                              "use another --out, or --overwrite to start it again")
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(saved, json.dumps({"identity": config.identity(), "config": to_dict(config)}, indent=2) + "\n")
+    _write_atomic(saved, json.dumps({"identity": config.identity(), "config": to_dict(config),
+                                     "dtype": dtypes.choose(config.dtype).to_dict()}, indent=2) + "\n")
 
 
 def open_retriever(config: EvalConfig) -> Retriever:

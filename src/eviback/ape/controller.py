@@ -258,12 +258,13 @@ class LocalChatClient:
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
-    def __init__(self, model_name: str = "smollm2-135m", dtype: str = "bfloat16", *, model=None,  # noqa: ANN001
+    def __init__(self, model_name: str = "smollm2-135m", dtype: str = "auto", *, model=None,  # noqa: ANN001
                  tokenizer=None) -> None:
+        from eviback.dtype import resolve
         from eviback.policy import load_model, load_tokenizer
 
         self.model_name = model_name
-        self.dtype = dtype
+        self.dtype = dtype = resolve(dtype)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_name, dtype)
         self.model = model if model is not None else load_model(model_name, dtype)
         self._lock = threading.Lock()

@@ -74,6 +74,7 @@ from eviback.ape.rollouts import Rollout, RolloutSplits, Split, load_paraphrases
 from eviback.ape.sealed import BASELINE, confirm_on_test, measure_on_test, test_rollouts
 from eviback.ape.selection import select
 from eviback.ape.spec import ConstraintSpec, spec_yaml
+from eviback.dtype import resolve as resolve_dtype
 from eviback.teacher.chat import TeacherClient
 from eviback.teacher.config import Backend, open_cache
 from eviback.teacher.policy import TeacherPolicy, load_policy
@@ -188,7 +189,7 @@ class ApeRun:
             return self._client.backend_id
         t = self.config.teacher
         if t.backend is Backend.LOCAL:
-            return f"local:{t.local.model}:{t.local.dtype}"
+            return f"local:{t.local.model}:{resolve_dtype(t.local.dtype)}"  # what runs here, not `auto`
         return f"openai-http:{t.http.model or t.http.base_url}"
 
     def controller_id(self) -> str:
@@ -198,7 +199,7 @@ class ApeRun:
         if c.kind is ControllerKind.NONE:
             return "none"
         if c.kind is ControllerKind.LOCAL:
-            return f"local-chat:{c.local_model}:{c.dtype}"
+            return f"local-chat:{c.local_model}:{resolve_dtype(c.dtype)}"
         return f"openai-http:{c.http.model or c.http.base_url}"
 
     @property
@@ -212,7 +213,7 @@ class ApeRun:
             if c.kind is ControllerKind.LOCAL:
                 shared = self.client if self.config.teacher.backend is Backend.LOCAL else None
                 same = shared is not None and self.config.teacher.local.model == c.local_model and \
-                    self.config.teacher.local.dtype == c.dtype
+                    resolve_dtype(self.config.teacher.local.dtype) == resolve_dtype(c.dtype)
                 chat = LocalChatClient(c.local_model, c.dtype, model=shared.model if same else None,  # type: ignore[union-attr]
                                        tokenizer=shared.tokenizer if same else None)  # type: ignore[union-attr]
             else:

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="how the teacher server is asked for JSON (see `eviback judge --help`)")
     teacher.add_argument("--timeout", type=float, default=120.0, help="seconds per teacher call (default 120)")
     teacher.add_argument("--local-model", default="smollm2-135m", help="model of the local backends")
-    teacher.add_argument("--dtype", default="bfloat16", help="dtype of the local backends' model")
+    teacher.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+                         help="dtype of the local backends' model (auto: bf16 where native, else fp32)")
     teacher.add_argument("--threads", type=int, help="torch threads of the local backends")
     teacher.add_argument("--concurrency", type=int, default=8, help="rollouts judged at once (default 8)")
     teacher.add_argument("--max-attempts", type=int, default=3, help="attempts per stage call (default 3)")

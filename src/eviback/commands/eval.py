@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--limit", type=int, help="first N questions of each benchmark")
     model = parser.add_argument_group("policy")
     model.add_argument("--model", default=defaults.model, help="model name or checkpoint directory (default: %(default)s)")
-    model.add_argument("--dtype", default=defaults.dtype, choices=["bfloat16", "float32", "float16"])
+    model.add_argument("--dtype", default=defaults.dtype, choices=["auto", "bfloat16", "float32", "float16"],
+                       help="auto (default): bf16 where the device computes it natively, else fp32")
     model.add_argument("--backend", default=defaults.backend, choices=["vllm", "hf"],
                        help="generation engine (default: %(default)s)")
     model.add_argument("--kv-cache-gib", type=float, help="vLLM on CPU: KV cache size in GiB (default 2)")

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "llama-cpp-python: json_object; none: parse the reply leniently)")
     backend.add_argument("--timeout", type=float, default=60.0, help="seconds per call (default 60)")
     backend.add_argument("--local-model", default="smollm2-135m", help="model of the local backend")
-    backend.add_argument("--dtype", default="bfloat16", help="dtype of the local backend's model")
+    backend.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+                         help="dtype of the local backend's model (auto: bf16 where native, else fp32)")
     backend.add_argument("--threads", type=int, help="torch threads of the local backend")
     run = parser.add_argument_group("judging")
     run.add_argument("--concurrency", type=int, default=8, help="rollouts judged at once (default 8)")

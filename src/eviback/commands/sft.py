@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="default: %(default)s")
     parser.add_argument("--grad-accum", type=int, default=d.gradient_accumulation,
                         help="gradient accumulation steps (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype,
-                        help="compute dtype; bfloat16 keeps an fp32 master copy (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype,
+                        help="compute dtype; bfloat16 keeps an fp32 master copy; auto: bf16 where the device "
+                             "computes it natively, else fp32 (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
     parser.add_argument("--output", default=None, metavar="DIR", help="save here instead of the cache")

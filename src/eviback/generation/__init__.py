@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eviback import dtype as dtypes
 from eviback.generation.base import Completion, FinishReason, GenerationBackend, SamplingConfig
-from eviback.policy import DEFAULT_MODEL, DTYPES
+from eviback.policy import DEFAULT_MODEL
 
 BACKENDS = ("vllm", "hf")
 
@@ -23,7 +24,8 @@ class BackendConfig:
 
     backend: str = field(default="vllm", metadata={"help": "vllm (fast, prefix caching, weight push) or hf (transformers generate)"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
-    dtype: str = field(default="bfloat16", metadata={"help": "bfloat16, float32 or float16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 where the device computes it natively, else "
+                       "fp32: eviback.dtype), bfloat16, float32 or float16"})
     max_model_len: int = field(default=4096, metadata={"help": "vllm: longest prompt + completion"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vllm on CPU: KV cache GiB (default: $VLLM_CPU_KVCACHE_SPACE or 2)"})
     executor: str = field(default="inprocess", metadata={"help": "vllm: inprocess, multiprocess or external_launcher"})
@@ -34,8 +36,7 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtypes.check(self.dtype)
 
 
 def load_backend(config: BackendConfig | None = None) -> GenerationBackend:

@@ -5,7 +5,7 @@ each turn; vLLM's prefix cache does not. Prompts are left-padded and run in micr
 length (`batch_size`), because a CPU attention over a large padded batch runs out of memory long before
 it gains speed.
 
-    backend = HFBackend.load("smollm2-135m", dtype="bfloat16")
+    backend = HFBackend.load("smollm2-135m")   # dtype auto: bf16 where native, else fp32
     [completion] = backend.generate([prompt_ids], SamplingConfig(max_tokens=64, temperature=0))
 """
 
@@ -78,7 +78,7 @@ class HFBackend:
         self.rng = SamplerRNG()
 
     @classmethod
-    def load(cls, model: str, dtype: str = "bfloat16", threads: int | None = None, batch_size: int = 16) -> HFBackend:
+    def load(cls, model: str, dtype: str = "auto", threads: int | None = None, batch_size: int = 16) -> HFBackend:
         """Load `model` (see `eviback.policy`). `threads`: torch threads while generating, restored after
         each call (None: the process's setting). On a 2-core machine shared with other jobs, 1 thread was
         several times faster than 2 (OpenMP threads spin-waiting for a busy core)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eviback import dtype as dtypes
 from eviback.generation.base import (
     Completion,
     FinishReason,
@@ -40,7 +41,7 @@ from eviback.generation.base import (
     iter_weights,
     request_caps,
 )
-from eviback.policy import DEFAULT_MODEL, DTYPES, torch_threads
+from eviback.policy import DEFAULT_MODEL, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class VllmConfig:
     """How to start a vLLM engine. Equal configs share one engine per process."""
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
-    dtype: str = field(default="bfloat16", metadata={"help": "bfloat16 (2x faster than float32 on CPUs with avx512_bf16), float32, float16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 where the device computes it natively, else fp32: eviback.dtype), bfloat16, float32, float16"})
     max_model_len: int = field(default=4096, metadata={"help": "longest prompt + completion (the rollout's context cap must fit)"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "CPU KV cache in GiB, fractions allowed (None: $VLLM_CPU_KVCACHE_SPACE, else 2)"})
     gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU only: share of GPU memory vLLM may take"})
@@ -64,8 +65,7 @@ class VllmConfig:
     threads: int | None = field(default=1, metadata={"help": "CPU, in-process: torch threads while generating (restored after each call); 1, as vLLM's own CPU engine computes, was 1.5-4x faster than 2 on a loaded 2-core machine; None: leave as is"})
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtypes.check(self.dtype)
         if self.executor not in EXECUTORS:
             raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
         if self.max_model_len < 256:
@@ -83,9 +83,11 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, config: VllmConfig) -> None:
+        import dataclasses
+
         from eviback.policy import load_tokenizer, resolve_model
 
-        self.config = config
+        self.config = config = dataclasses.replace(config, dtype=dtypes.resolve(config.dtype))
         path = resolve_model(config.model, config.dtype)
         self.tokenizer = load_tokenizer(config.model, config.dtype)
         self.max_context = config.max_model_len
@@ -299,8 +301,12 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def get_vllm_backend(config: VllmConfig | None = None) -> VllmBackend:
-    """The process's vLLM engine for `config`, started on first use (about a minute) and reused after."""
+    """The process's vLLM engine for `config`, started on first use (about a minute) and reused after.
+    `dtype="auto"` is resolved first, so it shares the engine of the dtype it resolves to."""
+    import dataclasses
+
     config = config or VllmConfig()
+    config = dataclasses.replace(config, dtype=dtypes.resolve(config.dtype))
     with _ENGINES_LOCK:
         backend = _ENGINES.get(config)
         if backend is None:

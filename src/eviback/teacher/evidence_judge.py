@@ -503,9 +503,12 @@ class EvidenceJudgeClient:
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
-    def __init__(self, directory: str | os.PathLike, sha256: str | None = None) -> None:
-        import torch
+    def __init__(self, directory: str | os.PathLike, sha256: str | None = None, dtype: str = "auto") -> None:
+        """`dtype`: the inference dtype (auto: bf16 where the device computes it natively, else fp32; the
+        judge is always trained in fp32, a 22M-parameter encoder not worth the master-weight scheme)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from eviback.dtype import torch_dtype
 
         self.directory = Path(directory)
         actual = model_sha256(self.directory)
@@ -516,7 +519,7 @@ class EvidenceJudgeClient:
         doc_path = self.directory / JUDGE_FILE
         self.max_length = json.loads(doc_path.read_text()).get("max_length", 320) if doc_path.exists() else 320
         self.tokenizer = AutoTokenizer.from_pretrained(self.directory)
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.directory, dtype=torch.float32)
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.directory, dtype=torch_dtype(dtype))
         self.model.eval()
         self._lock = threading.Lock()
 

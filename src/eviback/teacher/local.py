@@ -31,7 +31,7 @@ class LocalBackendConfig:
     """Which model the local backend loads."""
 
     model: str = "smollm2-135m"  # a bundled name or a local Hugging Face checkpoint directory
-    dtype: str = "bfloat16"  # bfloat16 is ~2x float32 on CPUs with avx512_bf16
+    dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32 (eviback.dtype)
     # torch intra-op threads, process-wide; None leaves torch's setting. On a busy small machine 1 can be an
     # order of magnitude faster than 2 (OpenMP threads spinning against other processes).
     threads: int | None = None
@@ -50,9 +50,12 @@ class LocalClient:
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
     def __init__(self, config: LocalBackendConfig = LocalBackendConfig(), *, model=None, tokenizer=None) -> None:  # noqa: ANN001
+        import dataclasses
+
+        from eviback.dtype import resolve
         from eviback.policy import load_model, load_tokenizer, set_threads
 
-        self.config = config
+        self.config = config = dataclasses.replace(config, dtype=resolve(config.dtype))
         set_threads(config.threads)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model, config.dtype)
         self.model = model if model is not None else load_model(config.model, config.dtype, config.threads)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from eviback.dtype import resolve as resolve_dtype
+
 
 def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
@@ -41,7 +43,7 @@ class VllmServerConfig:
     port: int = 0  # 0 picks a free port
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
     max_model_len: int = 4096  # teacher prompts are ~1k tokens; a modest limit keeps memory small
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # eviback's auto (bf16 where native, else fp32), resolved before vLLM sees it
     startup_timeout_s: float = 600.0
     log_path: str = ""  # file for the server's output ("": discarded)
     extra_args: tuple[str, ...] = ()
@@ -69,7 +71,7 @@ class VllmServer:
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_gib))
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model_dir,
                    "--served-model-name", c.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--max-model-len", str(c.max_model_len), "--dtype", c.dtype, *c.extra_args]
+                   "--max-model-len", str(c.max_model_len), "--dtype", resolve_dtype(c.dtype), *c.extra_args]
         self._log = open(c.log_path, "w") if c.log_path else open(os.devnull, "w")  # noqa: SIM115
         self._process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                          start_new_session=True)

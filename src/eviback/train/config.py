@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig, Mode
 
 PRESETS_PACKAGE = "eviback.train"
@@ -79,8 +80,11 @@ class TrainConfig:
                                   "loss and gradient; must divide questions_per_step x group_size"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward "
                                          "pass: saves memory on large models, costs ~30% time"})
-    dtype: str = field(default="bfloat16", metadata={"help": "training compute dtype: bfloat16 (CPU: a bf16 model "
-                       "with fp32 master weights; GPU: fp32 weights under accelerate's bf16 autocast) or float32"})
+    dtype: str = field(default="auto", metadata={"help": "compute dtype of the trainer, its rollout engine and "
+                       "the local teacher: auto (bf16 where the device computes it natively, fp32 otherwise; "
+                       "decided by a cached matmul measurement, recorded in dtype.json), bfloat16 (CPU: a bf16 "
+                       "model with fp32 master weights; GPU: fp32 weights under accelerate's bf16 autocast) or "
+                       "float32"})
     seed: int = field(default=0, metadata={"help": "seed for sampling and data order"})
     build_seed: int = field(default=0, metadata={"help": "seed of the cached warm start and evidence judge the run "
                             "starts from; apart from `seed`, so that runs of several seeds share one starting point"})
@@ -129,8 +133,7 @@ class TrainConfig:
         if self.micro_batch_rows < 0 or (self.micro_batch_rows and rollouts % self.micro_batch_rows):
             raise ValueError(f"micro_batch_rows={self.micro_batch_rows} must divide questions_per_step x group_size "
                              f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        dtypes.check(self.dtype, allowed=("bfloat16", "float32"))
 
     @property
     def backoff(self) -> BackoffConfig:

@@ -48,12 +48,13 @@ def model_kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int | None
         return None
 
 
-def rollout_kv_cache_gib(sequences: int, max_context: int, model_dir: str) -> float | None:
-    """The KV cache for a run's rollout engine (see :func:`kv_cache_gib`); None (the engine's own default)
-    when `VLLM_CPU_KVCACHE_SPACE` is set by the user or the model's shape cannot be read."""
+def rollout_kv_cache_gib(sequences: int, max_context: int, model_dir: str, dtype: str = "bfloat16") -> float | None:
+    """The KV cache for a run's rollout engine (see :func:`kv_cache_gib`) computing in `dtype` (the cache
+    holds keys and values in the model's dtype: fp32 takes twice bf16's bytes); None (the engine's own
+    default) when `VLLM_CPU_KVCACHE_SPACE` is set by the user or the model's shape cannot be read."""
     import os
 
-    per_token = model_kv_bytes_per_token(model_dir)
+    per_token = model_kv_bytes_per_token(model_dir, 4 if dtype == "float32" else 2)
     if "VLLM_CPU_KVCACHE_SPACE" in os.environ or per_token is None:
         return None
     return kv_cache_gib(sequences, max_context, per_token)

@@ -9,6 +9,7 @@
                        passages), for the last `keep_rollout_steps` steps only, so the directory stays bounded
       teacher.json     the teacher policy's name, version and evidence-boundary verdict (EviBack runs)
       start.json       the starting policy (the warm start): its directory name and a hash of its weights
+      dtype.json       the compute dtype `dtype` resolved to on this machine, and why (eviback.dtype)
       checkpoints/     TRL checkpoints (`checkpoint-<step>`), the resume points
       final/           the trained policy (safetensors + tokenizer)
       plots/*.png, report.html, eval/   training curves, the HTML report, the held-out evaluation
@@ -56,6 +57,7 @@ class RunDir:
         self.rollouts = self.root / "rollouts"
         self.teacher_path = self.root / "teacher.json"
         self.start_path = self.root / "start.json"
+        self.dtype_path = self.root / "dtype.json"
         self.checkpoints = self.root / "checkpoints"
         self.final = self.root / "final"
         self.plots = self.root / "plots"
@@ -173,6 +175,20 @@ class RunDir:
 
     def write_teacher(self, record: dict[str, Any]) -> None:
         self.teacher_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+    def write_dtype(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Record what the run computes in (an eviback.dtype.DtypeChoice as a dict); returns the record of
+        an earlier process of this run when it chose another dtype (a run resumed on another machine)."""
+        earlier = None
+        if self.dtype_path.exists():
+            try:
+                previous = json.loads(self.dtype_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                previous = {}
+            if previous.get("dtype") not in (None, record.get("dtype")):
+                earlier = previous
+        self.dtype_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        return earlier
 
     def truncate_logs(self, step: int) -> None:
         """Keep only the records of steps <= `step` (a torn last line from a kill is dropped too)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eviback import dtype as dtypes
 from eviback.data import DataSuite, load_suite
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
@@ -109,7 +110,7 @@ def initial_policy(config: TrainConfig) -> str:
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
         max_examples=config.warm_start_examples, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
-        seed=config.build_seed,
+        seed=config.build_seed, dtype=config.dtype,
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
     # so that memory is given back before the engine, the trainer and the teacher load. The child saves the
@@ -212,7 +213,7 @@ def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teac
     return build_teacher(TeacherConfig(
         policy=teacher_policy_ref(config),
         backend=config.teacher_backend,
-        local=LocalBackendConfig(model=config.teacher_model),
+        local=LocalBackendConfig(model=config.teacher_model, dtype=config.dtype),
         http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
                                else config.teacher_model) if config.teacher_url else HttpBackendConfig(),
         judge=JudgeConfig(concurrency=config.teacher_concurrency),
@@ -273,7 +274,14 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     if main:
         write_start_record(run.start_path, policy_path)
     tokenizer = load_tokenizer(policy_path)
-    precision = training_precision(config.dtype, torch.cuda.is_available())
+    dtype = dtypes.choose(config.dtype)
+    precision = training_precision(dtype.dtype, torch.cuda.is_available())
+    if main:
+        earlier = run.write_dtype({**dtype.to_dict(), "precision": precision.value})
+        if earlier is not None:
+            log.warning("%s ran in %s before and resumes in %s here (%s): the steps from here on compute in "
+                        "another precision", run.root, earlier["dtype"], dtype.dtype, dtype.reason)
+    log.info("compute dtype %s (%s): %s", dtype.dtype, precision.value, dtype.reason)
     model, master = load_policy_for_training(policy_path, precision, checkpoint)
     if master is not None:
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
@@ -286,8 +294,9 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     # Its KV cache is sized to one step's rollouts (train/memory.py) instead of vLLM's CPU default of 2 GiB.
     from eviback.train.memory import rollout_kv_cache_gib
 
-    kv_cache = rollout_kv_cache_gib(config.group_size * config.questions_per_step, max_context, policy_path)
-    backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype="bfloat16",
+    kv_cache = rollout_kv_cache_gib(config.group_size * config.questions_per_step, max_context, policy_path,
+                                    dtype.dtype)
+    backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
                                          max_model_len=max(2048, max_context), kv_cache_gib=kv_cache))
     engine = RolloutEngine(backend, retriever, RolloutConfig(
         group_size=config.group_size, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
@@ -454,7 +463,8 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **ove
 
     return EvalConfig(
         out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
-        model=model, backend=config.backend, retriever=config.retriever, topk=config.topk,
+        model=model, backend=config.backend, dtype=dtypes.resolve(config.dtype), retriever=config.retriever,
+        topk=config.topk,
         max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
         max_observation_tokens=config.max_obs_tokens, **overrides,
     )

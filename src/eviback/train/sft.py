@@ -14,7 +14,8 @@ and vLLM load it. Next to the weights: `sft_config.json` (the resolved configura
 `sft_report.json` (example counts, training time, tokens/s, peak memory, losses) and `examples.jsonl` (the
 trajectories trained on).
 
-Precision: with `dtype="bfloat16"` the forward and backward passes run on bf16 weights (about twice as fast
+Precision (`dtype`, default `auto`: bf16 where the device computes it natively, fp32 otherwise, see
+`eviback.dtype`): with bfloat16 the forward and backward passes run on bf16 weights (about twice as fast
 as fp32 on a CPU with bf16 instructions) while AdamW updates an fp32 master copy; pure bf16 weights lose
 updates of lr 1e-4 to rounding, and fp32 weights under bf16 autocast ran at half the speed. The saved
 weights are the fp32 master copy.
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eviback import dtype as dtypes
 from eviback.data import DataSuite, load_suite
 from eviback.policy import DEFAULT_MODEL, cache_dir, file_lock, load_tokenizer, resolve_model, set_threads
 from eviback.train import warmstart_data as wsd
@@ -76,8 +78,9 @@ class WarmStartConfig:
                               "cosine, linear, constant, ...)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
-    dtype: str = field(default="bfloat16", metadata={"help": "compute dtype: bfloat16 (with an fp32 master copy "
-                       "for AdamW) or float32"})
+    dtype: str = field(default="auto", metadata={"help": "compute dtype: auto (bf16 where the device computes it "
+                       "natively, else fp32; resolved before the key is made, so each resolution has its own "
+                       "warm start), bfloat16 (with an fp32 master copy for AdamW) or float32"})
     seed: int = field(default=0, metadata={"help": "seed for example selection, data order and initialisation"})
     # ---- where and how (not in the key)
     output: str | None = field(default=None, metadata={"help": "save here instead of the cache (not in the key)"})
@@ -102,9 +105,7 @@ class WarmStartConfig:
             raise ValueError(f"learning_rate must be in (0, 1), got {self.learning_rate}; SFT uses ~1e-4")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r} (float16 has no CPU "
-                             "kernels worth using here)")
+        dtypes.check(self.dtype, allowed=("bfloat16", "float32"))  # float16 has no CPU kernels worth using
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
 
@@ -244,6 +245,9 @@ def warm_start(config: WarmStartConfig | None = None, retriever=None) -> Path:  
     `config.retriever` names is opened and closed here. Concurrent calls with the same inputs train once:
     the others wait on a file lock and then reuse the result."""
     config = config or WarmStartConfig()
+    # `auto` is resolved before the key: a bf16 and an fp32 build are different weights, never one cache entry
+    choice = dtypes.choose(config.dtype)
+    config = dataclasses.replace(config, dtype=choice.dtype)
     set_threads(config.threads)
     base_dir = resolve_model(config.model, "float32")
     tokenizer = load_tokenizer(base_dir)
@@ -266,7 +270,8 @@ def warm_start(config: WarmStartConfig | None = None, retriever=None) -> Path:  
                  key, len(examples), ", ".join(f"{v} {k}" for k, v in counts.items()),
                  sum(report.considered.values()), build_seconds)
         (tmp / CONFIG_FILE).write_text(json.dumps(
-            {"key": key, "base_model": base_dir, "builder_version": wsd.BUILDER_VERSION, **config.to_dict()},
+            {"key": key, "base_model": base_dir, "builder_version": wsd.BUILDER_VERSION, **config.to_dict(),
+             "dtype_choice": choice.to_dict()},
             indent=2) + "\n")
         with open(tmp / EXAMPLES_FILE, "w", encoding="utf-8") as f:
             for e in examples:
