@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from eviback.metrics import f1_score, normalize_answer
 from eviback.protocol import render_passages
+from eviback.teacher.answers import is_non_answer
 from eviback.teacher.chat import ChatMessage, ChatRequest, ReplySchema, SchemaViolation
 from eviback.teacher.policy import Input, OutputField, RewardWeights, StageSpec, TeacherPolicy
 from eviback.types import Passage, Status, Trajectory, Verdict
@@ -94,6 +95,12 @@ def answer_in_evidence(answer: str | None, evidence: Sequence[SeenEvidence] | st
         return False
     text = evidence if isinstance(evidence, str) else render_seen(evidence)
     return f" {wanted} " in f" {normalize_answer(text)} "
+
+
+def answer_grounded(answer: str | None, evidence: Sequence[SeenEvidence] | str) -> bool:
+    """The grounding rule for a refined answer: it is an answer (not a placeholder, a status label or stop
+    words: :mod:`eviback.teacher.answers`) and it occurs in the evidence (:func:`answer_in_evidence`)."""
+    return not is_non_answer(answer) and answer_in_evidence(answer, evidence)
 
 
 @dataclass(frozen=True)
@@ -316,8 +323,8 @@ def run_workflow(
     policy: TeacherPolicy, trajectory: Trajectory, call: StageCaller, sample_index: int = 0
 ) -> Verdict:
     """Judge one rollout: run the stages in order through the gate, ground the refined answer (when the
-    policy says so: an answer not found in the evidence as the actor saw it lowers the status to I), then
-    compute the hybrid reward.
+    policy says so: a non-answer, or an answer not found in the evidence as the actor saw it, lowers the
+    status to I: :func:`answer_grounded`), then compute the hybrid reward.
 
     Never raises for a failed call: the verdict then has `error` set and no status or reward."""
     status: Status | None = None
@@ -358,7 +365,7 @@ def run_workflow(
     ungrounded = False
     # the evidence boundary for the answer: what the evidence the actor saw does not hold earns nothing
     if (policy.grounded_answer and refined and status is not Status.INSUFFICIENT
-            and not answer_in_evidence(answer, blind_view(trajectory).evidence_text())):
+            and not answer_grounded(answer, blind_view(trajectory).evidence_text())):
         status, ungrounded = Status.INSUFFICIENT, True
     reward = hybrid_reward(status, answer, trajectory.question.golden_answers, policy.weights)
     return Verdict(status=status, stage_a_status=stage_a, answer=answer, stage_b_ran=later_ran, reward=reward,
