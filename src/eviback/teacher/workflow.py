@@ -29,7 +29,7 @@ from eviback.protocol import render_passages
 from eviback.teacher.answers import is_non_answer
 from eviback.teacher.chat import ChatMessage, ChatRequest, ReplySchema, SchemaViolation
 from eviback.teacher.policy import Input, OutputField, RewardWeights, StageSpec, TeacherPolicy
-from eviback.types import Passage, Status, Trajectory, Verdict
+from eviback.types import Passage, Question, Status, Trajectory, Verdict
 
 NO_EVIDENCE = "(no passages were retrieved)"
 NO_ANSWER = "(the agent gave no answer)"
@@ -184,9 +184,31 @@ def build_gold_aware_request(
     return _render(stage, {**view.values(), Input.GOLD.value: gold.render()}, sample_index)
 
 
+def rule_request(stage: StageSpec, view: BlindView, question: Question, sample_index: int = 0) -> ChatRequest:
+    """The request of a rule stage (`eviback.teacher.rules`): no prompt, one JSON object of exactly the inputs
+    the stage sees: `question` (its text), `evidence` (each search result as the actor saw it, with the ids
+    of the passages seen), `answer`, and, for a gold-aware rule only, `gold` (the gold answers, and the
+    data set and supporting passage ids that the evidence label needs)."""
+    payload: dict[str, object] = {}
+    if Input.QUESTION in stage.sees:
+        payload["question"] = view.question
+    if Input.EVIDENCE in stage.sees:
+        payload["evidence"] = [{"text": e.text, "passage_ids": list(e.passage_ids)} for e in view.seen]
+    if Input.ANSWER in stage.sees:
+        payload["answer"] = view.answer
+    if stage.sees_gold:
+        payload["gold"] = {"answers": list(question.golden_answers), "dataset": question.dataset,
+                           "passage_ids": list(question.gold_passage_ids)}
+    text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
+    return ChatRequest(stage=stage.name, messages=(ChatMessage("user", text),), schema=reply_schema(stage),
+                       decoding=stage.decoding, sample_index=sample_index)
+
+
 def stage_request(stage: StageSpec, trajectory: Trajectory, sample_index: int = 0) -> ChatRequest:
     """The request for `stage` on `trajectory`: the one place where gold answers may enter a request."""
     view = blind_view(trajectory)
+    if stage.is_rule:
+        return rule_request(stage, view, trajectory.question, sample_index)
     if stage.sees_gold:
         return build_gold_aware_request(stage, view, GoldView(trajectory.question.golden_answers), sample_index)
     return build_blind_request(stage, view, sample_index)
