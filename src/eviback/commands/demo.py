@@ -8,7 +8,8 @@
 2. EviBack GRPO: a few steps with group size 4 on training questions; all-zero groups are judged by the
    two-stage teacher, in process (no server needed): Stage A by the trained evidence judge (a small
    cross-encoder built from 200 training questions on the first demo, then cached; `--set
-   teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B by SmolLM2, grounded.
+   teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B extractive: the span of the
+   evidence the actor saw that best matches the gold (`--set teacher_stage_b=prompted`: SmolLM2, grounded).
 3. Evaluation on held-out questions (NQ, PopQA, HotpotQA of the embedded suite), greedy, with the metrics
    table printed and an HTML report (training curves, evaluation, trajectories turn by turn).
 

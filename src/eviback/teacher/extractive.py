@@ -21,12 +21,14 @@ spans are scored, each distinct one once.
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eviback.metrics import f1_score, normalize_answer
 from eviback.teacher.answers import is_content_token
+from eviback.teacher.policy import EXTRACTIVE_SPAN, TeacherPolicy, parse_rule_backend
 
 DEFAULT_MAX_WORDS = 8
 
@@ -79,3 +81,16 @@ def best_span(evidence: str, golds: Sequence[str], max_words: int = DEFAULT_MAX_
                     best = Span(text=text, f1=f1, start=offset + i, words=length)
         offset += len(words)
     return best
+
+
+def with_max_words(policy: TeacherPolicy, max_words: int) -> TeacherPolicy:
+    """`policy` with every extractive stage bounded at `max_words` words (a new version when that changes
+    its bound). A policy without an extractive stage is an error: the setting would mean nothing."""
+    if not any(s.is_rule and parse_rule_backend(s.backend)[0] == EXTRACTIVE_SPAN for s in policy.stages):
+        raise ValueError(f"teacher policy {policy.name!r} has no extractive stage to bound at {max_words} words; "
+                         f"leave the span length unset (0) or use a policy with an extractive Stage B")
+    backend = f"{EXTRACTIVE_SPAN}:max_words={max_words}"
+    parse_rule_backend(backend)  # raises for a bound < 1
+    return dataclasses.replace(policy, stages=tuple(
+        dataclasses.replace(s, backend=backend) if s.is_rule and parse_rule_backend(s.backend)[0] == EXTRACTIVE_SPAN
+        else s for s in policy.stages))

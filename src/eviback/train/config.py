@@ -103,6 +103,13 @@ class TrainConfig:
     judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is "
                                      "built from (0: all)"})
     judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
+    teacher_stage_b: str = field(default="extractive", metadata={"help": "with a local teacher and the two-stage "
+                                 "policy: 'extractive' answers Stage B with the span of the evidence the actor saw "
+                                 "that best matches the gold (no model: the two-stage-extractive policy); "
+                                 "'prompted' keeps the policy's LLM Stage B on the local model. A served (http) "
+                                 "teacher keeps its LLM Stage B"})
+    teacher_span_words: int = field(default=0, metadata={"help": "the longest span, in words, an extractive Stage "
+                                    "B may answer (0: the policy's own bound, 8 in the built-ins)"})
 
     def __post_init__(self) -> None:
         Mode(self.mode)  # raises with the valid names
@@ -110,6 +117,11 @@ class TrainConfig:
             raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
         if self.teacher_backend not in ("local", "http"):
             raise ValueError(f"teacher_backend must be 'local' or 'http', got {self.teacher_backend!r}")
+        if self.teacher_stage_b not in ("extractive", "prompted"):
+            raise ValueError(f"teacher_stage_b must be 'extractive' or 'prompted', got {self.teacher_stage_b!r}")
+        if self.teacher_span_words < 0:
+            raise ValueError(f"teacher_span_words must be >= 0 (0: the policy's own bound), got "
+                             f"{self.teacher_span_words}")
         if self.teacher_backend == "http" and not self.teacher_url:
             raise ValueError("teacher_backend=http needs teacher_url (e.g. http://127.0.0.1:8000/v1)")
         if self.group_size < 2:
