@@ -36,9 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from eviback.train.config import resolve_config
+    from eviback.train.runner import run_training, teacher_is_oracle
 
     overrides = list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
     config = resolve_config("demo", None, overrides)
+    if teacher_is_oracle(config):
+        raise ValueError(f"the demo refuses the oracle teacher {config.teacher!r}: it reads the gold answers to "
+                         f"decide the status, a ceiling for experiments, never the demo's teacher. Measure it with "
+                         f"`eviback train --preset eviback-oracle`")
     output = Path(args.output)
     if output.exists() and not args.resume:
         if not (output / "config.yaml").exists():
@@ -46,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(output)
 
     from eviback.evaluate import comparison_markdown
-    from eviback.train.runner import run_training
 
     print(f"eviback demo: warm start (cached after the first run), {config.max_steps} EviBack GRPO steps "
           f"({config.questions_per_step} questions x {config.group_size} rollouts), then evaluation on "

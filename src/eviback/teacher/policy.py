@@ -249,6 +249,10 @@ class TeacherPolicy:
             raise PolicyError(f"policy {self.name!r}: the first stage always runs; set its run_on to []")
         for stage in self.stages:
             self._check_stage(stage, is_first=stage is first)
+        if self.is_oracle and "oracle" not in self.name.lower():
+            raise PolicyError(f"policy {self.name!r} decides its status with the evidence label, which reads the "
+                              f"gold answers: it is an oracle, and its name must say so (e.g. "
+                              f"'{self.name}-oracle'), so that every record naming the teacher does")
 
     def _check_stage(self, stage: StageSpec, *, is_first: bool) -> None:
         where = f"policy {self.name!r}, stage {stage.name!r}"
@@ -329,6 +333,12 @@ class TeacherPolicy:
         return self.stages[0]
 
     @property
+    def is_oracle(self) -> bool:
+        """Its status is the evidence label (the `evidence-label` rule), computed from the gold answers: the
+        ceiling of what a perfect evidence judge would give, never a teacher. Its name says "oracle"."""
+        return rule_name(self.status_stage.backend) == EVIDENCE_LABEL
+
+    @property
     def needs_llm(self) -> bool:
         """Some stage is answered by the teacher's LLM (not by a classifier or a rule of its own)."""
         return any(not s.own_backend for s in self.stages)
@@ -336,9 +346,13 @@ class TeacherPolicy:
     def boundary_violations(self) -> tuple[str, ...]:
         """Static reasons why gold could reach the status decision (empty: the policy is compliant).
 
-        The single-prompt dual-task baseline has one, by design: it is the leaky manual teacher."""
+        The single-prompt dual-task baseline has one, by design: it is the leaky manual teacher; so has the
+        oracle, whose status is computed from the gold answers."""
         reasons = []
-        if self.status_stage.sees_gold:
+        if self.is_oracle:
+            reasons.append(f"stage {self.status_stage.name!r} decides the status with the evidence label, which "
+                           f"reads the gold answers (an oracle: the ceiling, never a teacher)")
+        elif self.status_stage.sees_gold:
             reasons.append(f"stage {self.status_stage.name!r} decides the status and sees the gold answers")
         return tuple(reasons)
 

@@ -73,7 +73,9 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
     """The teacher policy's identity and evidence-boundary verdict (None when the mode has no teacher).
 
     A policy whose status stage sees the gold answers is refused unless `allow_leaky_teacher` is set:
-    EviBack's claim rests on a gold-blind Stage A, and a leaky policy must never run by accident."""
+    EviBack's claim rests on a gold-blind Stage A, and a leaky policy must never run by accident. The oracle
+    (its status is the evidence label, computed from the gold) is such a policy: the `eviback-oracle` preset
+    opts in, and the record says `"oracle": true`."""
     if config.backoff.mode.value != "eviback":
         return None
     from eviback.teacher import load_policy
@@ -81,14 +83,27 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
     policy = load_policy(config.teacher)
     violations = list(policy.boundary_violations())
     if violations and not config.allow_leaky_teacher:
+        opt_in = ("the eviback-oracle preset does" if policy.is_oracle
+                  else "the eviback-single-prompt preset does")
         raise ValueError(
             f"teacher policy {config.teacher!r} (version {policy.short_version}) breaks the evidence boundary: "
             f"{'; '.join(violations)}. EviBack needs a status stage that never sees the gold answers; to run "
-            "this policy on purpose as a baseline, set allow_leaky_teacher=true (the eviback-single-prompt "
-            "preset does)")
+            f"this policy on purpose as a baseline, set allow_leaky_teacher=true ({opt_in})")
+    if policy.is_oracle:
+        log.warning("teacher %r is an ORACLE: its status is the evidence label, computed from the gold answers. "
+                    "This run measures the ceiling of teacher backoff, not a teacher", policy.name)
     return {"policy": config.teacher, "name": policy.name, "version": policy.version,
             "boundary_compliant": not violations, "boundary_violations": violations,
-            "allowed_leaky": bool(violations)}
+            "allowed_leaky": bool(violations), "oracle": policy.is_oracle}
+
+
+def teacher_is_oracle(config: TrainConfig) -> bool:
+    """Whether the run's teacher is an oracle (it reads the gold answers to decide the status)."""
+    if config.backoff.mode.value != "eviback":
+        return False
+    from eviback.teacher import load_policy
+
+    return load_policy(config.teacher).is_oracle
 
 
 def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
@@ -326,6 +341,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         run.write_teacher({**(teacher_record or {}), "policy_used": teacher.policy.name,
                            "version_used": teacher.policy.version,
                            "boundary_violations_used": list(teacher.policy.boundary_violations()),
+                           "oracle_used": teacher.policy.is_oracle,
                            # the whole policy: it may be composed for the run (judge, extractive Stage B)
                            "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
