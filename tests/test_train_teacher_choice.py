@@ -44,7 +44,8 @@ def test_the_prompted_stages_other_policies_and_http_teachers(built):
     assert teacher_policy(TrainConfig(teacher_stage_a="prompted")) == load_policy("two-stage-extractive")
     assert len(built) == 1  # the judge is built only for Stage A
     built.clear()
-    assert teacher_policy(TrainConfig(teacher_stage_a="prompted", teacher_stage_b="prompted")) == load_policy("two-stage")
+    both = TrainConfig(teacher_stage_a="prompted", teacher_stage_b="prompted")
+    assert teacher_policy(both) == load_policy("two-stage")
     assert teacher_policy(TrainConfig(teacher="single-prompt-dual-task")) == load_policy("single-prompt-dual-task")
     # a served teacher keeps its LLM stages
     assert teacher_policy(TrainConfig(teacher_backend="http", teacher_url="http://x/v1")) == load_policy("two-stage")
@@ -89,3 +90,11 @@ def test_a_judge_at_chance_is_reported(tmp_path, caplog):
     assert "at chance" in caplog.text
     (tmp_path / "judge.json").write_text(json.dumps({"heldout": {"n": 283, "kappa": 0.455}}))
     assert not warn_if_uninformative(tmp_path)
+
+
+def test_the_f1_fallback_baseline_loads_no_teacher():
+    from eviback.train.config import resolve_config
+    from eviback.train.runner import check_teacher, open_teacher
+
+    config = resolve_config("f1-fallback")
+    assert open_teacher(config) is None and check_teacher(config) is None

@@ -1,9 +1,9 @@
 """The configuration of an `eviback train` run: one dataclass, presets, files and overrides.
 
 A run's configuration is resolved in this order, later wins: the dataclass defaults, a preset
-(`eviback`, `grpo`, `dapo`, `eviback-single-prompt`, ...: YAML files next to this module holding values
-only), a user YAML file (`--config`), then `--set key=value` overrides. The resolved configuration is
-written to the run directory as `config.yaml`; a resumed run must match it.
+(`eviback`, `grpo`, `dapo`, `f1-fallback`, `eviback-single-prompt`, ...: YAML files next to this module
+holding values only), a user YAML file (`--config`), then `--set key=value` overrides. The resolved
+configuration is written to the run directory as `config.yaml`; a resumed run must match it.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ class TrainConfig:
     max_obs_tokens: int = field(default=500, metadata={"help": "tokens of retrieved text per search"})
     topk: int = field(default=3, metadata={"help": "passages per search (Search-R1: 3)"})
     # ---- the algorithm
-    mode: str = field(default="eviback", metadata={"help": "grpo, dapo or eviback"})
-    lam: float = field(default=0.1, metadata={"help": "lambda: scale of teacher advantages, after normalisation"})
+    mode: str = field(default="eviback", metadata={"help": "grpo, dapo, eviback, or f1-fallback (all-zero groups "
+                      "get the actor's own token F1 as reward, no teacher)"})
+    lam: float = field(default=0.1, metadata={"help": "lambda: scale of fallback advantages (teacher or F1), after "
+                       "normalisation"})
     adv_eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std"})
     teacher: str = field(default="two-stage", metadata={"help": "teacher policy: a built-in name "
                          "(two-stage, single-prompt-dual-task) or a frozen policy file"})
