@@ -49,12 +49,14 @@ from eviback.backoff import (
     GroupKind,
     Mode,
     group_advantages,
+    has_verified_hit,
     needs_teacher,
     summarize,
 )
 from eviback.metrics import exact_match, f1_score
 from eviback.protocol import build_prompt
 from eviback.rollout import RolloutBatch, RolloutEngine
+from eviback.train.diversity import diversity_metrics, group_diversity
 from eviback.train.precision import MasterWeightAdamW
 from eviback.types import Group, Question, Status, StopReason, Verdict, to_dict
 
@@ -559,6 +561,11 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
     judged_rewards = [r for o, vs in zip(outcome.outcomes, outcome.verdicts, strict=True)
                       if o.kind is GroupKind.FALLBACK and vs for r in o.rewards]
     record["teacher/reward_mean"] = sum(judged_rewards) / len(judged_rewards) if judged_rewards else None
+    # could the all-zero groups carry a signal? distinct queries, evidence sets, rewards, statuses per group
+    record.update(diversity_metrics([
+        group_diversity(g, o.rewards, vs)
+        for g, o, vs in zip(batch.groups, outcome.outcomes, outcome.verdicts, strict=True)
+        if not has_verified_hit(o.em, backoff)]))
     return record
 
 
