@@ -152,3 +152,8 @@ def test_a_non_answer_written_by_stage_b_lowers_the_verdict_to_i(answer):
     # the same rollout with a real answer from the evidence keeps its status and earns credit
     verdict = run_workflow(TWO, t, scripted("Harry S. Truman"))
     assert verdict.status is Status.SUFFICIENT and not verdict.ungrounded and verdict.reward == 1.0
+
+
+@pytest.mark.parametrize("answer", ["May", "Will", "Can", "The Who", "1"])
+def test_words_that_are_also_names_or_months_stay_answers(answer):
+    assert not is_non_answer(answer)

@@ -22,14 +22,13 @@ from __future__ import annotations
 from eviback.metrics import normalize_answer
 
 # Closed-class English words that are never an answer by themselves. Not "yes"/"no" (answers of comparison
-# questions), not "us" (the normalised "U.S."), not numbers.
+# questions), not "us" (the normalised "U.S."), not "may", "will", "can" (a month, a name, a band), not numbers.
 STOP_WORDS = frozenset(word for line in (
     "a an the",
     "of in on at to for from by with about into onto over under between through during before after above",
     "below within without upon via per as than against among around along across behind beyond toward towards",
     "and or but nor so yet if then because while although though whether",
-    "is are was were be been being am do does did done has have had having will would shall should can could",
-    "may might must",
+    "is are was were be been being am do does did done has have had having would shall should could might must",
     "it its itself this that these those there here he him his she her hers they them their theirs we our",
     "ours you your yours my me mine i myself which whom whose",
     "not also just only very too more most some any each every all both either neither such other same own",

@@ -90,7 +90,7 @@ class Decoding:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One LLM call of the workflow.
+    """One stage of the workflow: an LLM call, or a call to the stage's own `backend` (a classifier, a rule).
 
     `user_template` (and `system_prompt`) are `string.Template` texts: `$question`, `$evidence`, `$answer`,
     `$gold` are replaced by the inputs the stage `sees`; a literal dollar sign is `$$`. A template may only
