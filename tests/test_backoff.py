@@ -141,3 +141,60 @@ def test_config_validation_names_the_fix():
     with pytest.raises(ValueError, match="eps must be > 0"):
         BackoffConfig(eps=0)
     assert BackoffConfig(mode="dapo").mode is Mode.DAPO
+
+
+# --------------------------------------------------------------------------------------------------
+# The partial-credit baseline (f1-fallback): the actor's own token F1 in place of the teacher's rewards
+
+F1_MODE = BackoffConfig(Mode.F1_FALLBACK, lam=0.1, eps=EPS)
+
+
+def test_f1_fallback_gives_all_zero_groups_lambda_times_normalised_actor_f1():
+    em = [0, 0, 0, 0]
+    f1 = (0.0, 0.5, 0.0, 2 / 3)  # F1 of each rollout's own answer; a rollout without an answer has 0
+    assert not needs_teacher(em, F1_MODE)  # no teacher in this mode
+    out = group_advantages(em, None, F1_MODE, f1=f1)
+    assert out.kind is GroupKind.FALLBACK and out.rewards == f1 and out.keep and out.informative
+    mean = sum(f1) / 4
+    std = math.sqrt(sum((r - mean) ** 2 for r in f1) / 3)
+    assert out.advantages == pytest.approx(tuple(0.1 * (r - mean) / (std + EPS) for r in f1))
+    # exactly the math of the teacher's fallback rewards
+    teacher = group_advantages(em, verdicts(*f1), BackoffConfig(Mode.EVIBACK, lam=0.1, eps=EPS))
+    assert out.advantages == pytest.approx(teacher.advantages)
+
+
+def test_f1_fallback_applies_lambda_after_normalisation():
+    em, f1 = [0, 0, 0], (0.0, 0.2, 0.6)
+    a01 = group_advantages(em, None, F1_MODE, f1=f1).advantages
+    a1 = group_advantages(em, None, BackoffConfig(Mode.F1_FALLBACK, lam=1.0, eps=EPS), f1=f1).advantages
+    assert a1 == pytest.approx(tuple(10 * a for a in a01))
+    assert group_advantages(em, None, F1_MODE, f1=(0.0, 0.02, 0.06)).advantages == pytest.approx(a01, rel=1e-4)
+
+
+def test_f1_fallback_groups_with_a_hit_train_on_em_alone():
+    em = [1, 0, 0]
+    out = group_advantages(em, None, F1_MODE, f1=(1.0, 0.8, 0.0))  # the F1 values are ignored
+    assert out.kind is GroupKind.VERIFIED and out.rewards == (1.0, 0.0, 0.0)
+    assert out.advantages == pytest.approx(zscore(em, EPS))
+
+
+def test_f1_fallback_equal_f1_gives_no_signal_and_missing_f1_is_a_bug():
+    out = group_advantages([0, 0, 0], None, F1_MODE, f1=(0.0, 0.0, 0.0))  # nobody answered anything close
+    assert out.kind is GroupKind.FALLBACK and out.advantages == (0.0, 0.0, 0.0) and not out.informative
+    with pytest.raises(ValueError, match="needs 3 F1 values in f1-fallback mode, got none"):
+        group_advantages([0, 0, 0], None, F1_MODE)
+    with pytest.raises(ValueError, match="got 2"):
+        group_advantages([0, 0, 0], None, F1_MODE, f1=(0.1, 0.2))
+    # the other modes ignore F1
+    assert group_advantages([0, 0], None, BackoffConfig(Mode.GRPO), f1=(0.0, 1.0)).advantages == (0.0, 0.0)
+
+
+def test_f1_fallback_summary_counts_fallback_and_informative_groups():
+    outcomes = [
+        group_advantages([1, 0], None, F1_MODE, f1=(1.0, 0.0)),
+        group_advantages([0, 0], None, F1_MODE, f1=(0.0, 0.5)),
+        group_advantages([0, 0], None, F1_MODE, f1=(0.5, 0.5)),
+    ]
+    s = summarize(outcomes, F1_MODE)
+    assert (s.groups, s.verified, s.all_zero, s.fallback, s.informative_fallback) == (3, 1, 2, 2, 1)
+    assert s.informative_fallback_share == pytest.approx(0.5)

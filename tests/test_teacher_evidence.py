@@ -5,10 +5,12 @@ import dataclasses
 import pytest
 
 from eviback.protocol import render_observation
+from eviback.teacher.answers import is_non_answer
 from eviback.teacher.policy import artifact_json, load_policy, parse_artifact, policy_from_json
 from eviback.teacher.workflow import (
     StageOutcome,
     StageOutput,
+    answer_grounded,
     answer_in_evidence,
     blind_view,
     evidence_as_seen,
@@ -111,3 +113,47 @@ def test_an_artifact_frozen_before_grounding_keeps_its_version_and_its_behaviour
     artifact = parse_artifact(text)
     assert artifact.policy == loose and artifact.version == loose.version
     assert policy_from_json(TWO.canonical_json()) == TWO
+
+
+# --------------------------------------------------------------------------------------------------
+# The non-answer rule: strings Stage B wrote in real runs, which occur in almost any evidence
+
+# Evidence in which each of those strings occurs as whole normalised words: "I" (World War I), "S"
+# (Harry S. Truman), "of", "the".
+WAR = Passage("p3", '"Harry S. Truman"\nHarry S. Truman served in France during World War I... He was the '
+                    'president of the United States from 1945.')
+
+
+@pytest.mark.parametrize("answer", ["...", "…", "S", "I", "...I", "A.", "the", "of the", "", "  ", "(S)",
+                                    "insufficient", "of the I"])
+def test_non_answers_are_never_grounded(answer):
+    assert is_non_answer(answer)
+    assert not answer_grounded(answer, render_observation((WAR,)))
+
+
+@pytest.mark.parametrize("answer", ["Truman", "1945", "World War I", "the United States", "U.S.", "yes", "no"])
+def test_answers_with_a_content_word_are_answers(answer):
+    assert not is_non_answer(answer)
+
+
+def test_the_status_letter_i_is_in_the_evidence_but_not_grounded():
+    evidence = render_observation((WAR,))
+    assert answer_in_evidence("I", evidence) and answer_in_evidence("of the", evidence)  # containment alone
+    assert not answer_grounded("I", evidence) and not answer_grounded("of the", evidence)
+    assert answer_grounded("World War I", evidence) and answer_grounded("Truman", evidence)
+
+
+@pytest.mark.parametrize("answer", ["...", "S", "I", "...I", "A.", "the", "of the", ""])
+def test_a_non_answer_written_by_stage_b_lowers_the_verdict_to_i(answer):
+    t = rollout(golds=("Harry S. Truman",), answer="Truman", passages=(WAR,))
+    verdict = run_workflow(TWO, t, scripted(answer))
+    assert verdict.status is Status.INSUFFICIENT and verdict.ungrounded and verdict.reward == 0.0
+    assert verdict.stage_a_status is Status.SUFFICIENT
+    # the same rollout with a real answer from the evidence keeps its status and earns credit
+    verdict = run_workflow(TWO, t, scripted("Harry S. Truman"))
+    assert verdict.status is Status.SUFFICIENT and not verdict.ungrounded and verdict.reward == 1.0
+
+
+@pytest.mark.parametrize("answer", ["May", "Will", "Can", "The Who", "1"])
+def test_words_that_are_also_names_or_months_stay_answers(answer):
+    assert not is_non_answer(answer)

@@ -14,6 +14,8 @@ def test_presets_exist_and_resolve():
     assert {"eviback", "grpo", "dapo", "eviback-single-prompt", "demo"} <= set(preset_names())
     assert resolve_config("grpo").backoff.mode is Mode.GRPO
     assert resolve_config("dapo").backoff.mode is Mode.DAPO
+    f1 = resolve_config("f1-fallback")
+    assert f1.backoff.mode is Mode.F1_FALLBACK and f1.backoff.lam == 0.1
     single = resolve_config("eviback-single-prompt")
     assert single.teacher == "single-prompt-dual-task" and single.backoff.lam == 0.1
 

@@ -1,13 +1,19 @@
-"""Which teacher policy a training run uses: the trained evidence judge as Stage A of a local two-stage
-teacher by default; the prompted Stage A on request; any other policy or an HTTP teacher unchanged."""
+"""Which teacher policy a training run uses: a local two-stage teacher has the trained evidence judge as
+Stage A and the extractive Stage B by default; the prompted stages on request; any other policy or an HTTP
+teacher unchanged."""
 
 from pathlib import Path
 
 import pytest
+import yaml
 
-from eviback.teacher import evidence_judge
+from eviback.teacher import evidence_judge, load_policy
+from eviback.teacher.evidence_judge import judge_policy
 from eviback.train.config import TrainConfig
-from eviback.train.runner import teacher_policy_ref
+from eviback.train.run import RunDir
+from eviback.train.runner import teacher_policy
+
+SHA = "ab" * 32
 
 
 @pytest.fixture
@@ -16,25 +22,59 @@ def built(monkeypatch):
 
     def build_judge(config):  # stands in for the build, tested end to end in test_evidence_judge.py
         asked.append(config)
-        return evidence_judge.EvidenceJudge(Path("/judges/j"), "ab" * 32, Path("/judges/j/policy.json"))
+        return evidence_judge.EvidenceJudge(Path("/judges/j"), SHA, Path("/judges/j/policy.json"))
     monkeypatch.setattr(evidence_judge, "build_judge", build_judge)
     return asked
 
 
-def test_a_local_two_stage_teacher_uses_the_trained_judge_by_default(built):
+def test_a_local_two_stage_teacher_has_the_judge_and_the_extractive_stage_b_by_default(built):
     config = TrainConfig(train_files=["popqa_train"], judge_max_questions=50, max_obs_tokens=300)
-    assert teacher_policy_ref(config) == "/judges/j/policy.json"
+    policy = teacher_policy(config)
+    assert policy == judge_policy(SHA, base=load_policy("two-stage-extractive"))
+    assert policy.name == "two-stage-extractive-judge"
+    assert [s.backend for s in policy.stages] == [f"evidence-judge:{SHA}", "extractive-span:max_words=8"]
+    assert not policy.needs_llm and policy.boundary_violations() == ()  # the local teacher loads no LLM
     (asked,) = built
     assert asked.train_files == ("popqa_train",) and asked.max_questions == 50 and asked.max_obs_tokens == 300
 
 
-def test_the_prompted_stage_a_other_policies_and_http_teachers_are_unchanged(built):
-    assert teacher_policy_ref(TrainConfig(teacher_stage_a="prompted")) == "two-stage"
-    assert teacher_policy_ref(TrainConfig(teacher="single-prompt-dual-task")) == "single-prompt-dual-task"
-    assert teacher_policy_ref(TrainConfig(teacher_backend="http", teacher_url="http://x/v1")) == "two-stage"
+def test_the_prompted_stages_other_policies_and_http_teachers(built):
+    # the LLM Stage B: exactly the policy the judge's build freezes beside it
+    assert teacher_policy(TrainConfig(teacher_stage_b="prompted")) == judge_policy(SHA)
+    assert teacher_policy(TrainConfig(teacher_stage_a="prompted")) == load_policy("two-stage-extractive")
+    assert len(built) == 1  # the judge is built only for Stage A
+    built.clear()
+    both = TrainConfig(teacher_stage_a="prompted", teacher_stage_b="prompted")
+    assert teacher_policy(both) == load_policy("two-stage")
+    assert teacher_policy(TrainConfig(teacher="single-prompt-dual-task")) == load_policy("single-prompt-dual-task")
+    # a served teacher keeps its LLM stages
+    assert teacher_policy(TrainConfig(teacher_backend="http", teacher_url="http://x/v1")) == load_policy("two-stage")
     assert built == []
     with pytest.raises(ValueError, match="teacher_stage_a"):
-        teacher_policy_ref(TrainConfig(teacher_stage_a="other"))
+        teacher_policy(TrainConfig(teacher_stage_a="other"))
+    with pytest.raises(ValueError, match="teacher_stage_b must be 'extractive' or 'prompted'"):
+        TrainConfig(teacher_stage_b="llm")
+
+
+def test_the_span_bound_is_a_setting_and_part_of_the_version(built):
+    policy = teacher_policy(TrainConfig(teacher_stage_a="prompted", teacher_span_words=12))
+    assert policy.stages[1].backend == "extractive-span:max_words=12"
+    assert policy.version != load_policy("two-stage-extractive").version
+    with pytest.raises(ValueError, match="no extractive stage"):
+        teacher_policy(TrainConfig(teacher="single-prompt-dual-task", teacher_span_words=12))
+    with pytest.raises(ValueError, match="teacher_span_words must be >= 0"):
+        TrainConfig(teacher_span_words=-1)
+
+
+def test_a_run_made_before_the_extractive_default_does_not_resume_with_it(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.start(TrainConfig(teacher_stage_b="prompted"), resume=False)
+    old = yaml.safe_load(run.config_path.read_text())
+    del old["teacher_stage_b"]  # what an earlier eviback wrote: its Stage B was the LLM's
+    run.config_path.write_text(yaml.safe_dump(old))
+    with pytest.raises(ValueError, match="teacher_stage_b: None -> 'extractive'"):
+        run.start(TrainConfig(), resume=True)
+    assert run.start(TrainConfig(teacher_stage_b="prompted"), resume=True) is None
 
 
 def test_a_judge_at_chance_is_reported(tmp_path, caplog):
@@ -50,3 +90,11 @@ def test_a_judge_at_chance_is_reported(tmp_path, caplog):
     assert "at chance" in caplog.text
     (tmp_path / "judge.json").write_text(json.dumps({"heldout": {"n": 283, "kappa": 0.455}}))
     assert not warn_if_uninformative(tmp_path)
+
+
+def test_the_f1_fallback_baseline_loads_no_teacher():
+    from eviback.train.config import resolve_config
+    from eviback.train.runner import check_teacher, open_teacher
+
+    config = resolve_config("f1-fallback")
+    assert open_teacher(config) is None and check_teacher(config) is None

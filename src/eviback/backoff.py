@@ -13,7 +13,10 @@ re-derives the math (EVIBACK.md section 4):
 
 `std` is the sample standard deviation (Bessel-corrected, as TRL and verl compute it); a group of one has
 std 0. Modes reproduce the baselines: plain GRPO (`grpo`), DAPO-style filtering of zero-variance groups
-(`dapo`), and EviBack (`eviback`) with any teacher policy and any lambda.
+(`dapo`), EviBack (`eviback`) with any teacher policy and any lambda, and the partial-credit baseline
+(`f1-fallback`): an all-zero group's rewards are each rollout's own token F1 against the gold (no answer: 0),
+normalised and scaled exactly like the teacher's, `A = lam * (f1 - mean) / (std + eps)`; no teacher. A
+teacher has to beat it to be worth its cost.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Mode(enum.StrEnum):
     GRPO = "grpo"  # actor rewards only; all-zero groups get advantage 0
     DAPO = "dapo"  # actor rewards; zero-variance groups are dropped from the loss
     EVIBACK = "eviback"  # actor rewards, teacher rewards for all-zero groups
+    F1_FALLBACK = "f1-fallback"  # actor rewards; all-zero groups get the actor's own token F1 (no teacher)
 
 
 class GroupKind(enum.StrEnum):
@@ -37,7 +41,7 @@ class GroupKind(enum.StrEnum):
 
     VERIFIED = "verified"  # at least one verified hit: actor rewards
     ALL_ZERO = "all_zero"  # no hit, no teacher (grpo mode): advantage 0
-    FALLBACK = "fallback"  # no hit: teacher rewards x lambda
+    FALLBACK = "fallback"  # no hit: fallback rewards (the teacher's, or the actor's own F1) x lambda
     TEACHER_ERROR = "teacher_error"  # no hit, teacher failed on some rollout: advantage 0, counted
     DROPPED = "dropped"  # dapo: zero-variance group removed from the loss
 
@@ -47,9 +51,9 @@ class BackoffConfig:
     """How advantages are computed.
 
     Attributes:
-        mode: `grpo`, `dapo` or `eviback`.
-        lam: lambda, the scale of teacher advantages (applied after normalisation). 0 disables the teacher's
-            effect while still calling it; EVIBACK.md uses 0.1.
+        mode: `grpo`, `dapo`, `eviback` or `f1-fallback`.
+        lam: lambda, the scale of fallback advantages (teacher or F1 rewards; applied after normalisation). 0
+            disables their effect (the teacher is still called); EVIBACK.md uses 0.1.
         eps: added to the group std before dividing.
         hit_threshold: a rollout is a verified hit when its EM is at least this (EM is 0/1, so 1.0).
     """
@@ -69,8 +73,9 @@ class BackoffConfig:
 
 @dataclass(frozen=True)
 class GroupAdvantages:
-    """The outcome for one group. `rewards` are the rewards the advantages were computed from (EM, or the
-    teacher's hybrid rewards for a fallback group); `keep` is False when the group is dropped from the loss."""
+    """The outcome for one group. `rewards` are the rewards the advantages were computed from (EM, or for a
+    fallback group the teacher's hybrid rewards or the actor's F1); `keep` is False when the group is dropped
+    from the loss."""
 
     kind: GroupKind
     em: tuple[float, ...]
@@ -80,8 +85,8 @@ class GroupAdvantages:
 
     @property
     def informative(self) -> bool:
-        """A fallback group whose teacher rewards differ, so its advantages are not all zero: the teacher
-        gave it a learning signal. (A fallback group whose rollouts all got the same reward has none.)"""
+        """A fallback group whose rewards differ, so its advantages are not all zero: the teacher (or the F1
+        rule) gave it a learning signal. (A fallback group whose rollouts all got the same reward has none.)"""
         return self.kind is GroupKind.FALLBACK and any(a != 0.0 for a in self.advantages)
 
 
@@ -105,18 +110,29 @@ def needs_teacher(em: Sequence[float], config: BackoffConfig) -> bool:
 
 
 def group_advantages(
-    em: Sequence[float], verdicts: Sequence[Verdict] | None, config: BackoffConfig
+    em: Sequence[float], verdicts: Sequence[Verdict] | None, config: BackoffConfig,
+    f1: Sequence[float] | None = None,
 ) -> GroupAdvantages:
-    """Advantages of one group from its actor EM and, for a fallback group, the teacher's verdicts.
+    """Advantages of one group from its actor EM and, for a fallback group, the teacher's verdicts (eviback)
+    or the actor's own token F1 against the gold (f1-fallback).
 
     `verdicts` is required (one per rollout) exactly when :func:`needs_teacher` is True, and ignored
-    otherwise (the teacher is never consulted for a group with a verified hit)."""
+    otherwise (the teacher is never consulted for a group with a verified hit). `f1` (one per rollout, 0 for
+    a rollout without an answer) is required for an all-zero group in f1-fallback mode, and ignored otherwise."""
     em = tuple(float(e) for e in em)
     zeros = (0.0,) * len(em)
     if config.mode is Mode.DAPO and len(set(em)) <= 1:
         return GroupAdvantages(GroupKind.DROPPED, em, em, zeros, keep=False)
     if has_verified_hit(em, config):
         return GroupAdvantages(GroupKind.VERIFIED, em, em, zscore(em, config.eps))
+    if config.mode is Mode.F1_FALLBACK:
+        if f1 is None or len(f1) != len(em):
+            got = "none" if f1 is None else len(f1)
+            raise ValueError(f"an all-zero group of {len(em)} rollouts needs {len(em)} F1 values in f1-fallback "
+                             f"mode, got {got}")
+        rewards = tuple(float(x) for x in f1)
+        advantages = tuple(config.lam * a for a in zscore(rewards, config.eps))
+        return GroupAdvantages(GroupKind.FALLBACK, em, rewards, advantages)
     if config.mode is not Mode.EVIBACK:
         return GroupAdvantages(GroupKind.ALL_ZERO, em, em, zeros)
     if verdicts is None or len(verdicts) != len(em):
@@ -136,10 +152,10 @@ class BatchSummary:
     groups: int
     verified: int
     all_zero: int  # groups without a verified hit, whatever happened next
-    fallback: int  # all-zero groups the teacher judged without error (their rewards may all be equal)
+    fallback: int  # all-zero groups given fallback rewards: judged without error, or F1 (may all be equal)
     teacher_error: int
     dropped: int
-    informative_fallback: int = 0  # fallback groups whose teacher advantages are not all zero
+    informative_fallback: int = 0  # fallback groups whose advantages are not all zero
 
     @property
     def all_zero_share(self) -> float:
@@ -147,13 +163,14 @@ class BatchSummary:
 
     @property
     def fallback_share(self) -> float:
-        """Share of the groups that fell back to the teacher. It says the teacher was *asked*, not that it
-        gave a signal: a fallback group whose rollouts all got the same teacher reward has advantage 0."""
+        """Share of the groups that fell back to the teacher (or the F1 rule). It says the teacher was
+        *asked*, not that it gave a signal: a fallback group whose rollouts all got the same reward has
+        advantage 0."""
         return self.fallback / self.groups if self.groups else 0.0
 
     @property
     def informative_fallback_share(self) -> float | None:
-        """Share of the fallback groups whose teacher advantages are not all zero (None without fallback)."""
+        """Share of the fallback groups whose advantages are not all zero (None without fallback)."""
         return self.informative_fallback / self.fallback if self.fallback else None
 
 

@@ -179,8 +179,8 @@ class Verdict:
     rationale: str = ""
     retries: int = 0  # backend calls repeated after a transient failure or a malformed reply
     schema_violations: int = 0  # replies that did not parse into the stage's output schema
-    # the refined answer was not found in the evidence as the actor saw it, so the status was lowered to I
-    # (a policy with `grounded_answer`); counted as `teacher/stage_b_ungrounded`
+    # the refined answer was a non-answer or was not found in the evidence as the actor saw it, so the status
+    # was lowered to I (a policy with `grounded_answer`); counted as `teacher/stage_b_ungrounded`
     ungrounded: bool = False
 
     @property

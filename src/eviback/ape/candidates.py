@@ -253,11 +253,11 @@ def _system_in_user(policy: TeacherPolicy) -> TeacherPolicy:
 
 @register_mutation("sampled", "every stage samples at temperature 0.7 (seeded) instead of greedy decoding")
 def _sampled(policy: TeacherPolicy) -> TeacherPolicy:
-    # A trained classifier's stage does not sample: its decoding is left as it is.
-    if all(s.decoding.temperature > 0 or s.is_classifier for s in policy.stages):
+    # A stage with its own backend (a trained classifier, a rule) does not sample: its decoding is left as it is.
+    if all(s.decoding.temperature > 0 or s.own_backend for s in policy.stages):
         raise NotApplicable("every LLM stage already samples")
     return dataclasses.replace(policy, stages=tuple(
-        s if s.is_classifier else
+        s if s.own_backend else
         dataclasses.replace(s, decoding=dataclasses.replace(s.decoding, temperature=0.7, seed=s.decoding.seed or 0))
         for s in policy.stages))
 

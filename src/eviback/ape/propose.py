@@ -87,10 +87,11 @@ def round_zero(run: ApeRun) -> None:
 
 
 def refinable(candidate: Candidate) -> bool:
-    """Whether a round can refine `candidate`: its status is decided by a prompt. A trained classifier's
-    verdicts (a `backend` status stage) do not depend on any prompt, so no proposal or prompt variant of it
-    can change the objective; it competes in selection but does not parent a round."""
-    return not candidate.policy.status_stage.is_classifier
+    """Whether a round can refine `candidate`: its status is decided by a prompt. The verdicts of a status
+    stage with a `backend` of its own (a trained classifier, a rule) do not depend on any prompt, so no
+    proposal or prompt variant of it can change the objective; it competes in selection but does not parent
+    a round."""
+    return not candidate.policy.status_stage.own_backend
 
 
 def best_so_far(run: ApeRun) -> Candidate | None:

@@ -8,7 +8,8 @@
 2. EviBack GRPO: a few steps with group size 4 on training questions; all-zero groups are judged by the
    two-stage teacher, in process (no server needed): Stage A by the trained evidence judge (a small
    cross-encoder built from 200 training questions on the first demo, then cached; `--set
-   teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B by SmolLM2, grounded.
+   teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B extractive: the span of the
+   evidence the actor saw that best matches the gold (`--set teacher_stage_b=prompted`: SmolLM2, grounded).
 3. Evaluation on held-out questions (NQ, PopQA, HotpotQA of the embedded suite), greedy, with the metrics
    table printed and an HTML report (training curves, evaluation, trajectories turn by turn).
 
@@ -35,9 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from eviback.train.config import resolve_config
+    from eviback.train.runner import run_training, teacher_is_oracle
 
     overrides = list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
     config = resolve_config("demo", None, overrides)
+    if teacher_is_oracle(config):
+        raise ValueError(f"the demo refuses the oracle teacher {config.teacher!r}: it reads the gold answers to "
+                         f"decide the status, a ceiling for experiments, never the demo's teacher. Measure it with "
+                         f"`eviback train --preset eviback-oracle`")
     output = Path(args.output)
     if output.exists() and not args.resume:
         if not (output / "config.yaml").exists():
@@ -45,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(output)
 
     from eviback.evaluate import comparison_markdown
-    from eviback.train.runner import run_training
 
     print(f"eviback demo: warm start (cached after the first run), {config.max_steps} EviBack GRPO steps "
           f"({config.questions_per_step} questions x {config.group_size} rollouts), then evaluation on "

@@ -6,16 +6,18 @@
   eviback train --help-config                                  # every setting, its default and meaning
 
 Presets: eviback (two-stage teacher, lambda 0.1), grpo (plain GRPO, Search-R1), dapo (zero-variance groups
-dropped), eviback-single-prompt (the manual single-prompt dual-task teacher), demo (CPU-sized). Several
-processes or GPUs: `accelerate launch -m eviback.cli train ...` (TRL handles the distribution; each
-process rolls out and judges its own whole groups).
+dropped), f1-fallback (all-zero groups get the actor's own token F1, no teacher), eviback-single-prompt (the
+manual single-prompt dual-task teacher), eviback-oracle (the ceiling: a teacher that reads the gold answers),
+demo (CPU-sized). Several processes or GPUs: `accelerate launch -m eviback.cli train ...` (TRL handles the
+distribution; each process rolls out and judges its own whole groups).
 """
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "train with GRPO + teacher backoff (presets: eviback, grpo, dapo, eviback-single-prompt, demo)"
+HELP = ("train with GRPO + teacher backoff (presets: eviback, grpo, dapo, f1-fallback, eviback-single-prompt, "
+        "eviback-oracle, demo)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,10 @@
 """The evidence-constrained teacher (EVIBACK.md section 4).
 
 - `policy`: teacher policies as typed workflows and frozen, content-hashed artifacts; the built-ins.
-- `workflow`: the per-rollout logic: gold-free views, request building, reply parsing, gate, reward.
+- `workflow`: the per-rollout logic: gold-free views, request building, reply parsing, gate, reward;
+  `answers`: the non-answer rule of grounding.
+- `rules`: stage backends that are deterministic rules: `extractive` (the gold-aware span Stage B) and the
+  evidence label of `labels` (the oracle's Stage A).
 - `chat`: requests, replies and the backend contract; `openai_http` and `local`: the backends.
 - `cache`: the reply cache; `judge`: batch judging with concurrency, retries and accounting;
   `config`: one TeacherConfig record and `build_teacher`.

@@ -56,11 +56,16 @@ def build_teacher(
     config: TeacherConfig, *, policy: TeacherPolicy | None = None, model=None, tokenizer=None  # noqa: ANN001
 ) -> Teacher:
     """A Teacher for `config`. Pass `policy` to judge with an unfrozen candidate instead of `config.policy`;
-    pass `model`/`tokenizer` to let the local backend share an already loaded model. The teacher owns its
+    pass `model`/`tokenizer` to let the local backend share an already loaded model. A policy whose every
+    stage has its own backend (a trained classifier, a rule) loads no LLM at all. The teacher owns its
     client and cache: `teacher.close()` closes them."""
     policy = policy if policy is not None else load_policy(config.policy)
     register_judge_beside(config.policy)
-    if config.backend is Backend.LOCAL:
+    if not policy.needs_llm:  # every stage has its own backend (a classifier, a rule): load no model
+        from eviback.teacher.rules import NoModelClient
+
+        client = NoModelClient()
+    elif config.backend is Backend.LOCAL:
         from eviback.teacher.local import LocalClient
 
         client = LocalClient(config.local, model=model, tokenizer=tokenizer)

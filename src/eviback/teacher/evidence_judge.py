@@ -456,6 +456,7 @@ def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable
             doc = json.loads((target / JUDGE_FILE).read_text())
             if doc.get("key") == key:
                 progress(f"evidence judge {key} already built: reusing {target}")
+                _register(target, doc["sha256"])  # known to this process wherever it is, as after a build
                 return EvidenceJudge(target, doc["sha256"], target / POLICY_FILE)
         progress(f"evidence judge {key}: {len(train)} balanced training examples {counts['train_balanced']} from "
                  f"{counts['questions']} training questions and {counts['rollouts']} rollouts; training")

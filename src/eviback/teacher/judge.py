@@ -144,10 +144,15 @@ class Teacher:
         self._sleep = time.sleep  # replaced in tests to keep backoff instant
         self._pool: ThreadPoolExecutor | None = None  # created on the first concurrent judge call
         self._in_pool = threading.local()  # `worker` is set in the pool's threads
-        # stages answered by a classifier artifact instead of `client` (a trained evidence judge)
+        # stages answered by a backend of their own instead of `client`: a classifier artifact (a trained
+        # evidence judge) or a rule (eviback.teacher.rules)
         self.stage_clients: dict[str, TeacherClient] = {}
         for stage in policy.stages:
-            if stage.is_classifier:
+            if stage.is_rule:
+                from eviback.teacher.rules import RuleClient
+
+                self.stage_clients[stage.name] = RuleClient(stage.backend)
+            elif stage.is_classifier:
                 from eviback.teacher.evidence_judge import open_classifier
 
                 self.stage_clients[stage.name] = open_classifier(stage.backend)
@@ -247,9 +252,11 @@ class Teacher:
         latency = 0.0
         key = None
         client = self.stage_clients.get(request.stage, self.client)
+        # a client may say its replies are not worth caching (a rule: cheaper to compute than to look up)
+        cache = self.cache if getattr(client, "cacheable", True) else None
         try:
             key = request.cache_key(self.policy.version, client.backend_id)
-            if self.cache is not None and (cached := self.cache.get(key)) is not None:
+            if cache is not None and (cached := cache.get(key)) is not None:
                 try:
                     output = parse_reply(cached.text, request.schema)
                     return StageOutcome(output=output, cache_hit=True, prompt_tokens=cached.prompt_tokens,
@@ -291,8 +298,8 @@ class Teacher:
                 if not e.retryable:
                     break
                 continue
-            if self.cache is not None and key is not None:
-                self.cache.put(key, reply, stage=request.stage, policy_version=self.policy.version)
+            if cache is not None and key is not None:
+                cache.put(key, reply, stage=request.stage, policy_version=self.policy.version)
             return StageOutcome(output=output, calls=calls, prompt_tokens=reply.prompt_tokens,
                                 completion_tokens=reply.completion_tokens, latency_s=latency, retries=retries,
                                 schema_violations=violations, paid_prompt_tokens=paid_prompt,

@@ -16,6 +16,11 @@ The evidence boundary (EVIBACK.md section 4) in terms of this structure:
   does not see the gold answers (:meth:`TeacherPolicy.boundary_violations`);
 - a later stage runs only when the status so far is one of its ``run_on`` statuses, which may never include
   I; whatever it answers, it can only lower the status to I, never raise it (enforced in ``workflow.py``).
+
+A stage is answered by the teacher's LLM, or by a ``backend`` of its own, named in the policy (so part of
+its version): a trained classifier (``evidence-judge:<sha256>``), or a deterministic rule computed in
+process (:data:`RULES`: ``extractive-span:max_words=8``, the extractive gold-aware Stage B; ``evidence-label``,
+the oracle's Stage A, which reads the gold answers).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ CLASSIFIER_PREFIX = "evidence-judge:"  # a stage backend that is a trained class
 CLASSIFIER_TEMPLATE = "$question\n\n$evidence"
 ARTIFACT_FORMAT_VERSION = 1
 MIN_VERSION_PREFIX = 8
+# Rule backends (eviback.teacher.rules): a name, then optionally its parameters, "name:key=value,key=value".
+EXTRACTIVE_SPAN = "extractive-span"  # the gold-aware span of the evidence with the best F1 (teacher/extractive.py)
+EVIDENCE_LABEL = "evidence-label"  # the S/A/I evidence label computed from the gold (teacher/labels.py): an oracle
 
 
 class PolicyError(ValueError):
@@ -82,7 +90,7 @@ class Decoding:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One LLM call of the workflow.
+    """One stage of the workflow: an LLM call, or a call to the stage's own `backend` (a classifier, a rule).
 
     `user_template` (and `system_prompt`) are `string.Template` texts: `$question`, `$evidence`, `$answer`,
     `$gold` are replaced by the inputs the stage `sees`; a literal dollar sign is `$$`. A template may only
@@ -96,9 +104,10 @@ class StageSpec:
     statuses: tuple[Status, ...] = (Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS)
     run_on: tuple[Status, ...] = ()  # gate: () for the first stage (always runs); else statuses it runs on
     decoding: Decoding = field(default_factory=Decoding)
-    # "" = the teacher's LLM backend. Else a classifier artifact that answers this stage in its place,
-    # identified by content hash, e.g. "evidence-judge:<sha256>" (eviback.teacher.evidence_judge): it is part
-    # of the policy's version, so a policy names exactly which trained judge decides its status.
+    # "" = the teacher's LLM backend. Else what answers this stage in its place, part of the policy's version:
+    # a classifier artifact identified by content hash, e.g. "evidence-judge:<sha256>"
+    # (eviback.teacher.evidence_judge), so a policy names exactly which trained judge decides its status; or a
+    # rule with its parameters, e.g. "extractive-span:max_words=8" (RULES, eviback.teacher.rules).
     backend: str = ""
 
     @property
@@ -111,13 +120,24 @@ class StageSpec:
 
     @property
     def is_classifier(self) -> bool:
-        """A trained classifier answers it (`backend`): no prompt or decoding setting changes its verdicts."""
+        """A trained classifier answers it (`backend` `evidence-judge:<sha256>`)."""
+        return self.backend.startswith(CLASSIFIER_PREFIX)
+
+    @property
+    def is_rule(self) -> bool:
+        """A deterministic rule answers it (`backend` names one of :data:`RULES`)."""
+        return rule_name(self.backend) in RULES
+
+    @property
+    def own_backend(self) -> bool:
+        """A classifier or a rule answers it, not the teacher's LLM: no prompt or decoding setting changes its
+        verdicts."""
         return bool(self.backend)
 
     @property
     def deterministic(self) -> bool:
-        """Its reply repeats exactly for the same request: greedy decoding, or a classifier."""
-        return self.decoding.temperature == 0 or self.is_classifier
+        """Its reply repeats exactly for the same request: greedy decoding, a classifier or a rule."""
+        return self.decoding.temperature == 0 or self.own_backend
 
     def placeholders(self) -> set[str]:
         """The `$names` its templates use."""
@@ -130,6 +150,56 @@ class StageSpec:
                 elif match.group("invalid") is not None:
                     raise PolicyError(f"stage {self.name!r}: a lone '$' in a template; write '$$' for a dollar sign")
         return names
+
+
+@dataclass(frozen=True)
+class RuleShape:
+    """What a stage answered by a rule must look like. A rule reads the inputs it sees from its request
+    (``workflow.rule_request``: JSON, no prompt), so its stage has no templates."""
+
+    sees: frozenset[Input]
+    outputs: tuple[OutputField, ...]
+    statuses: tuple[Status, ...]
+    status_stage: bool  # True: it decides the status (the first stage); False: a later, gated stage
+    params: Mapping[str, int] = field(default_factory=dict)  # integer parameters and their defaults (>= 1)
+
+
+RULES: Mapping[str, RuleShape] = {
+    EXTRACTIVE_SPAN: RuleShape(
+        sees=frozenset({Input.EVIDENCE, Input.GOLD}), outputs=(OutputField.STATUS, OutputField.ANSWER),
+        statuses=(Status.SUFFICIENT, Status.INSUFFICIENT), status_stage=False, params={"max_words": 8}),
+    EVIDENCE_LABEL: RuleShape(
+        sees=frozenset({Input.QUESTION, Input.EVIDENCE, Input.GOLD}), outputs=(OutputField.STATUS,),
+        statuses=(Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS), status_stage=True),
+}
+
+
+def rule_name(backend: str) -> str:
+    """The rule a backend names (the part before ':'); not necessarily a known one."""
+    return backend.split(":", 1)[0]
+
+
+def parse_rule_backend(backend: str) -> tuple[str, dict[str, int]]:
+    """(rule name, parameters with the defaults filled in) of a rule backend such as
+    ``extractive-span:max_words=10``; :class:`PolicyError`, naming the fix, when it is not one."""
+    name, _, rest = backend.partition(":")
+    if name not in RULES:
+        raise PolicyError(f"backend {backend!r} names no rule; rules: {', '.join(sorted(RULES))}")
+    params = dict(RULES[name].params)
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if key not in params or not eq:
+            known = ", ".join(f"{k}=<int>" for k in params) or "none"
+            raise PolicyError(f"backend {backend!r}: {item!r} is not a parameter of the rule {name!r} "
+                              f"(parameters: {known})")
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise PolicyError(f"backend {backend!r}: {key} must be an integer >= 1, got {value!r}")
+        params[key] = number
+    return name, params
 
 
 @dataclass(frozen=True)
@@ -179,6 +249,10 @@ class TeacherPolicy:
             raise PolicyError(f"policy {self.name!r}: the first stage always runs; set its run_on to []")
         for stage in self.stages:
             self._check_stage(stage, is_first=stage is first)
+        if self.is_oracle and "oracle" not in self.name.lower():
+            raise PolicyError(f"policy {self.name!r} decides its status with the evidence label, which reads the "
+                              f"gold answers: it is an oracle, and its name must say so (e.g. "
+                              f"'{self.name}-oracle'), so that every record naming the teacher does")
 
     def _check_stage(self, stage: StageSpec, *, is_first: bool) -> None:
         where = f"policy {self.name!r}, stage {stage.name!r}"
@@ -196,10 +270,13 @@ class TeacherPolicy:
         if unseen:
             raise PolicyError(f"{where}: its template uses {sorted(unseen)} but the stage does not see them; "
                               f"add them to 'sees' or remove them from the template")
-        if stage.backend:
+        if stage.is_rule:
+            self._check_rule_stage(stage, is_first=is_first, where=where)
+        elif stage.backend:
             if not stage.backend.startswith(CLASSIFIER_PREFIX) or len(stage.backend) <= len(CLASSIFIER_PREFIX):
-                raise PolicyError(f"{where}: backend {stage.backend!r} is not a classifier reference; use "
-                                  f"'{CLASSIFIER_PREFIX}<sha256>' (or '' for the teacher's LLM backend)")
+                raise PolicyError(f"{where}: backend {stage.backend!r} is neither a classifier reference "
+                                  f"('{CLASSIFIER_PREFIX}<sha256>') nor a rule ({', '.join(sorted(RULES))}); "
+                                  f"use '' for the teacher's LLM backend")
             if stage.outputs != (OutputField.STATUS,) or stage.sees_gold or Input.ANSWER in stage.sees:
                 raise PolicyError(f"{where}: a classifier stage outputs only 'status' and sees only the question "
                                   f"and the evidence")
@@ -212,6 +289,25 @@ class TeacherPolicy:
             if Status.INSUFFICIENT in stage.run_on:
                 raise PolicyError(f"{where}: run_on contains I, but an I verdict is final (the evidence "
                                   f"boundary); remove I from run_on")
+
+    @staticmethod
+    def _check_rule_stage(stage: StageSpec, *, is_first: bool, where: str) -> None:
+        name, _ = parse_rule_backend(stage.backend)
+        shape = RULES[name]
+        if set(stage.sees) != shape.sees or stage.outputs != shape.outputs:
+            raise PolicyError(f"{where}: the rule {name!r} sees {sorted(i.value for i in shape.sees)} and outputs "
+                              f"{[f.value for f in shape.outputs]}; set the stage's sees and outputs to those")
+        if stage.statuses != shape.statuses:
+            raise PolicyError(f"{where}: the rule {name!r} answers the statuses "
+                              f"{[s.value for s in shape.statuses]}; set the stage's statuses to those")
+        if stage.system_prompt or stage.user_template:
+            raise PolicyError(f"{where}: a rule stage has no prompt (the rule reads its inputs, not a text); set "
+                              f"system_prompt and user_template to ''")
+        if shape.status_stage and not is_first:
+            raise PolicyError(f"{where}: the rule {name!r} decides the status: make it the first stage")
+        if not shape.status_stage and is_first:
+            raise PolicyError(f"{where}: the rule {name!r} refines an answer after the status is decided: it "
+                              f"cannot be the first stage")
 
     # ----------------------------------------------------------------------------------------------
 
@@ -236,12 +332,27 @@ class TeacherPolicy:
         """"Stage A": the first stage, the one that decides the status."""
         return self.stages[0]
 
+    @property
+    def is_oracle(self) -> bool:
+        """Its status is the evidence label (the `evidence-label` rule), computed from the gold answers: the
+        ceiling of what a perfect evidence judge would give, never a teacher. Its name says "oracle"."""
+        return rule_name(self.status_stage.backend) == EVIDENCE_LABEL
+
+    @property
+    def needs_llm(self) -> bool:
+        """Some stage is answered by the teacher's LLM (not by a classifier or a rule of its own)."""
+        return any(not s.own_backend for s in self.stages)
+
     def boundary_violations(self) -> tuple[str, ...]:
         """Static reasons why gold could reach the status decision (empty: the policy is compliant).
 
-        The single-prompt dual-task baseline has one, by design: it is the leaky manual teacher."""
+        The single-prompt dual-task baseline has one, by design: it is the leaky manual teacher; so has the
+        oracle, whose status is computed from the gold answers."""
         reasons = []
-        if self.status_stage.sees_gold:
+        if self.is_oracle:
+            reasons.append(f"stage {self.status_stage.name!r} decides the status with the evidence label, which "
+                           f"reads the gold answers (an oracle: the ceiling, never a teacher)")
+        elif self.status_stage.sees_gold:
             reasons.append(f"stage {self.status_stage.name!r} decides the status and sees the gold answers")
         return tuple(reasons)
 

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from eviback.metrics import f1_score, normalize_answer
 from eviback.protocol import render_passages
+from eviback.teacher.answers import is_non_answer
 from eviback.teacher.chat import ChatMessage, ChatRequest, ReplySchema, SchemaViolation
 from eviback.teacher.policy import Input, OutputField, RewardWeights, StageSpec, TeacherPolicy
-from eviback.types import Passage, Status, Trajectory, Verdict
+from eviback.types import Passage, Question, Status, Trajectory, Verdict
 
 NO_EVIDENCE = "(no passages were retrieved)"
 NO_ANSWER = "(the agent gave no answer)"
@@ -94,6 +95,12 @@ def answer_in_evidence(answer: str | None, evidence: Sequence[SeenEvidence] | st
         return False
     text = evidence if isinstance(evidence, str) else render_seen(evidence)
     return f" {wanted} " in f" {normalize_answer(text)} "
+
+
+def answer_grounded(answer: str | None, evidence: Sequence[SeenEvidence] | str) -> bool:
+    """The grounding rule for a refined answer: it is an answer (not a placeholder, a status label or stop
+    words: :mod:`eviback.teacher.answers`) and it occurs in the evidence (:func:`answer_in_evidence`)."""
+    return not is_non_answer(answer) and answer_in_evidence(answer, evidence)
 
 
 @dataclass(frozen=True)
@@ -177,9 +184,31 @@ def build_gold_aware_request(
     return _render(stage, {**view.values(), Input.GOLD.value: gold.render()}, sample_index)
 
 
+def rule_request(stage: StageSpec, view: BlindView, question: Question, sample_index: int = 0) -> ChatRequest:
+    """The request of a rule stage (`eviback.teacher.rules`): no prompt, one JSON object of exactly the inputs
+    the stage sees: `question` (its text), `evidence` (each search result as the actor saw it, with the ids
+    of the passages seen), `answer`, and, for a gold-aware rule only, `gold` (the gold answers, and the
+    data set and supporting passage ids that the evidence label needs)."""
+    payload: dict[str, object] = {}
+    if Input.QUESTION in stage.sees:
+        payload["question"] = view.question
+    if Input.EVIDENCE in stage.sees:
+        payload["evidence"] = [{"text": e.text, "passage_ids": list(e.passage_ids)} for e in view.seen]
+    if Input.ANSWER in stage.sees:
+        payload["answer"] = view.answer
+    if stage.sees_gold:
+        payload["gold"] = {"answers": list(question.golden_answers), "dataset": question.dataset,
+                           "passage_ids": list(question.gold_passage_ids)}
+    text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
+    return ChatRequest(stage=stage.name, messages=(ChatMessage("user", text),), schema=reply_schema(stage),
+                       decoding=stage.decoding, sample_index=sample_index)
+
+
 def stage_request(stage: StageSpec, trajectory: Trajectory, sample_index: int = 0) -> ChatRequest:
     """The request for `stage` on `trajectory`: the one place where gold answers may enter a request."""
     view = blind_view(trajectory)
+    if stage.is_rule:
+        return rule_request(stage, view, trajectory.question, sample_index)
     if stage.sees_gold:
         return build_gold_aware_request(stage, view, GoldView(trajectory.question.golden_answers), sample_index)
     return build_blind_request(stage, view, sample_index)
@@ -316,8 +345,8 @@ def run_workflow(
     policy: TeacherPolicy, trajectory: Trajectory, call: StageCaller, sample_index: int = 0
 ) -> Verdict:
     """Judge one rollout: run the stages in order through the gate, ground the refined answer (when the
-    policy says so: an answer not found in the evidence as the actor saw it lowers the status to I), then
-    compute the hybrid reward.
+    policy says so: a non-answer, or an answer not found in the evidence as the actor saw it, lowers the
+    status to I: :func:`answer_grounded`), then compute the hybrid reward.
 
     Never raises for a failed call: the verdict then has `error` set and no status or reward."""
     status: Status | None = None
@@ -358,7 +387,7 @@ def run_workflow(
     ungrounded = False
     # the evidence boundary for the answer: what the evidence the actor saw does not hold earns nothing
     if (policy.grounded_answer and refined and status is not Status.INSUFFICIENT
-            and not answer_in_evidence(answer, blind_view(trajectory).evidence_text())):
+            and not answer_grounded(answer, blind_view(trajectory).evidence_text())):
         status, ungrounded = Status.INSUFFICIENT, True
     reward = hybrid_reward(status, answer, trajectory.question.golden_answers, policy.weights)
     return Verdict(status=status, stage_a_status=stage_a, answer=answer, stage_b_ran=later_ran, reward=reward,

@@ -1,9 +1,9 @@
 """The configuration of an `eviback train` run: one dataclass, presets, files and overrides.
 
 A run's configuration is resolved in this order, later wins: the dataclass defaults, a preset
-(`eviback`, `grpo`, `dapo`, `eviback-single-prompt`, ...: YAML files next to this module holding values
-only), a user YAML file (`--config`), then `--set key=value` overrides. The resolved configuration is
-written to the run directory as `config.yaml`; a resumed run must match it.
+(`eviback`, `grpo`, `dapo`, `f1-fallback`, `eviback-single-prompt`, ...: YAML files next to this module
+holding values only), a user YAML file (`--config`), then `--set key=value` overrides. The resolved
+configuration is written to the run directory as `config.yaml`; a resumed run must match it.
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ class TrainConfig:
     max_obs_tokens: int = field(default=500, metadata={"help": "tokens of retrieved text per search"})
     topk: int = field(default=3, metadata={"help": "passages per search (Search-R1: 3)"})
     # ---- the algorithm
-    mode: str = field(default="eviback", metadata={"help": "grpo, dapo or eviback"})
-    lam: float = field(default=0.1, metadata={"help": "lambda: scale of teacher advantages, after normalisation"})
+    mode: str = field(default="eviback", metadata={"help": "grpo, dapo, eviback, or f1-fallback (all-zero groups "
+                      "get the actor's own token F1 as reward, no teacher)"})
+    lam: float = field(default=0.1, metadata={"help": "lambda: scale of fallback advantages (teacher or F1), after "
+                       "normalisation"})
     adv_eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std"})
     teacher: str = field(default="two-stage", metadata={"help": "teacher policy: a built-in name "
                          "(two-stage, single-prompt-dual-task) or a frozen policy file"})
@@ -107,6 +109,13 @@ class TrainConfig:
     judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is "
                                      "built from (0: all)"})
     judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
+    teacher_stage_b: str = field(default="extractive", metadata={"help": "with a local teacher and the two-stage "
+                                 "policy: 'extractive' answers Stage B with the span of the evidence the actor saw "
+                                 "that best matches the gold (no model: the two-stage-extractive policy); "
+                                 "'prompted' keeps the policy's LLM Stage B on the local model. A served (http) "
+                                 "teacher keeps its LLM Stage B"})
+    teacher_span_words: int = field(default=0, metadata={"help": "the longest span, in words, an extractive Stage "
+                                    "B may answer (0: the policy's own bound, 8 in the built-ins)"})
 
     def __post_init__(self) -> None:
         Mode(self.mode)  # raises with the valid names
@@ -114,6 +123,11 @@ class TrainConfig:
             raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
         if self.teacher_backend not in ("local", "http"):
             raise ValueError(f"teacher_backend must be 'local' or 'http', got {self.teacher_backend!r}")
+        if self.teacher_stage_b not in ("extractive", "prompted"):
+            raise ValueError(f"teacher_stage_b must be 'extractive' or 'prompted', got {self.teacher_stage_b!r}")
+        if self.teacher_span_words < 0:
+            raise ValueError(f"teacher_span_words must be >= 0 (0: the policy's own bound), got "
+                             f"{self.teacher_span_words}")
         if self.teacher_backend == "http" and not self.teacher_url:
             raise ValueError("teacher_backend=http needs teacher_url (e.g. http://127.0.0.1:8000/v1)")
         if self.group_size < 2:

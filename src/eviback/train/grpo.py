@@ -1,6 +1,6 @@
 """GRPO with evidence-constrained teacher backoff, as an adapter on TRL's `GRPOTrainer` (trl==1.16.0).
 
-    eviback train --preset eviback --output runs/eviback        # or: grpo, dapo, eviback-single-prompt
+    eviback train --preset eviback --output runs/eviback        # or: grpo, dapo, f1-fallback, eviback-oracle, ...
 
 What TRL does here, and what eviback does:
 
@@ -10,7 +10,8 @@ What TRL does here, and what eviback does:
 - eviback owns the rollouts and the advantages. TRL's `rollout_func` hook runs :class:`RolloutEngine` (whole
   groups at once, on the vLLM engine by default), and :meth:`EviBackTrainer._generate_and_score_completions`
   replaces the advantages TRL computed with those of the pure functions in :mod:`eviback.backoff` (actor
-  rewards for groups with a verified hit; the teacher's hybrid rewards x lambda for all-zero groups).
+  rewards for groups with a verified hit; the teacher's hybrid rewards, or with `f1-fallback` the actor's own
+  token F1, x lambda for all-zero groups).
 - Retrieved tokens never reach the loss: the engine's `TokenTrace.mask` goes to TRL as `env_mask`, which TRL
   multiplies into the loss mask (KL included).
 - Before each rollout step the policy's weights are pushed into the vLLM engine (`update_weights`: the
@@ -48,12 +49,14 @@ from eviback.backoff import (
     GroupKind,
     Mode,
     group_advantages,
+    has_verified_hit,
     needs_teacher,
     summarize,
 )
-from eviback.metrics import exact_match
+from eviback.metrics import exact_match, f1_score
 from eviback.protocol import build_prompt
 from eviback.rollout import RolloutBatch, RolloutEngine
+from eviback.train.diversity import diversity_metrics, group_diversity
 from eviback.train.precision import MasterWeightAdamW
 from eviback.types import Group, Question, Status, StopReason, Verdict, to_dict
 
@@ -240,7 +243,10 @@ class EviBackTrainer(GRPOTrainer):
             for i, judged in zip(asking, self.judge_groups([batch.groups[i] for i in asking]), strict=True):
                 verdicts[i] = judged
         teacher_s = time.perf_counter() - t0
-        outcomes = tuple(group_advantages(g_em, v, self.backoff) for g_em, v in zip(em, verdicts, strict=True))
+        # the actor's own token F1 (no answer: 0): the fallback rewards of the f1-fallback baseline
+        f1 = [[f1_score(t.answer, t.question.golden_answers) for t in g.trajectories] for g in batch.groups]
+        outcomes = tuple(group_advantages(g_em, v, self.backoff, f1=g_f1)
+                         for g_em, v, g_f1 in zip(em, verdicts, f1, strict=True))
 
         device = output["advantages"].device
         output["advantages"] = torch.tensor([a for o in outcomes for a in o.advantages],
@@ -551,7 +557,15 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
     for status in Status:
         record[f"teacher/status_{status.value}"] = sum(st is status for st in statuses)
     rewards = [r for o in outcome.outcomes if o.kind is GroupKind.FALLBACK for r in o.rewards]
-    record["teacher/reward_mean"] = sum(rewards) / len(rewards) if rewards else None
+    record["backoff/fallback_reward_mean"] = sum(rewards) / len(rewards) if rewards else None
+    judged_rewards = [r for o, vs in zip(outcome.outcomes, outcome.verdicts, strict=True)
+                      if o.kind is GroupKind.FALLBACK and vs for r in o.rewards]
+    record["teacher/reward_mean"] = sum(judged_rewards) / len(judged_rewards) if judged_rewards else None
+    # could the all-zero groups carry a signal? distinct queries, evidence sets, rewards, statuses per group
+    record.update(diversity_metrics([
+        group_diversity(g, o.rewards, vs)
+        for g, o, vs in zip(batch.groups, outcome.outcomes, outcome.verdicts, strict=True)
+        if not has_verified_hit(o.em, backoff)]))
     return record
 
 

@@ -35,6 +35,11 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("Step time (s)", [("time/rollout", "rollout"), ("time/retrieval", "retrieval"),
                        ("time/teacher", "teacher"), ("time/update", "update")]),
     ("Optimisation", [("train/loss", "loss"), ("train/kl", "KL"), ("train/grad_norm", "grad norm")]),
+    # could the all-zero groups carry a signal? (1: every rollout of a group alike)
+    ("All-zero groups: distinct per group", [("backoff/all_zero_distinct_queries", "query sets"),
+                                             ("backoff/all_zero_distinct_evidence", "evidence sets"),
+                                             ("backoff/all_zero_distinct_rewards", "rewards"),
+                                             ("backoff/all_zero_distinct_statuses", "teacher statuses")]),
 ]
 
 

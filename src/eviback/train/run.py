@@ -42,6 +42,10 @@ RESUMABLE_CHANGES = frozenset({"max_steps", "save_steps", "save_total_limit", "e
                                "eval_warm_start", "keep_rollout_steps", "teacher_url", "teacher_concurrency",
                                "retriever"})
 
+# Settings added after runs had been made whose default is not what those runs did: the value a run whose
+# config.yaml lacks the key ran with (a resumed run is compared with it, not with today's default).
+EARLIER_BEHAVIOUR = {"teacher_stage_b": "prompted"}
+
 # The run directories this process holds the lock of (resolved path -> the open lock file).
 _HELD: dict[str, Any] = {}
 
@@ -110,8 +114,9 @@ class RunDir:
                     f"{self.root} already holds a run; pass --resume to continue it or choose another --output"
                 )
             previous = yaml.safe_load(self.config_path.read_text())
-            # A setting the earlier run's file does not name did not exist then: it ran with its default.
-            defaults = type(config)().to_dict()
+            # A setting the earlier run's file does not name did not exist then: it ran with its default, or
+            # with what the code did before the setting existed.
+            defaults = {**type(config)().to_dict(), **EARLIER_BEHAVIOUR}
             changed = {k for k, v in config.to_dict().items() if previous.get(k, defaults[k]) != v}
             changed -= RESUMABLE_CHANGES
             if changed:

@@ -74,7 +74,9 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
     """The teacher policy's identity and evidence-boundary verdict (None when the mode has no teacher).
 
     A policy whose status stage sees the gold answers is refused unless `allow_leaky_teacher` is set:
-    EviBack's claim rests on a gold-blind Stage A, and a leaky policy must never run by accident."""
+    EviBack's claim rests on a gold-blind Stage A, and a leaky policy must never run by accident. The oracle
+    (its status is the evidence label, computed from the gold) is such a policy: the `eviback-oracle` preset
+    opts in, and the record says `"oracle": true`."""
     if config.backoff.mode.value != "eviback":
         return None
     from eviback.teacher import load_policy
@@ -82,14 +84,27 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
     policy = load_policy(config.teacher)
     violations = list(policy.boundary_violations())
     if violations and not config.allow_leaky_teacher:
+        opt_in = ("the eviback-oracle preset does" if policy.is_oracle
+                  else "the eviback-single-prompt preset does")
         raise ValueError(
             f"teacher policy {config.teacher!r} (version {policy.short_version}) breaks the evidence boundary: "
             f"{'; '.join(violations)}. EviBack needs a status stage that never sees the gold answers; to run "
-            "this policy on purpose as a baseline, set allow_leaky_teacher=true (the eviback-single-prompt "
-            "preset does)")
+            f"this policy on purpose as a baseline, set allow_leaky_teacher=true ({opt_in})")
+    if policy.is_oracle:
+        log.warning("teacher %r is an ORACLE: its status is the evidence label, computed from the gold answers. "
+                    "This run measures the ceiling of teacher backoff, not a teacher", policy.name)
     return {"policy": config.teacher, "name": policy.name, "version": policy.version,
             "boundary_compliant": not violations, "boundary_violations": violations,
-            "allowed_leaky": bool(violations)}
+            "allowed_leaky": bool(violations), "oracle": policy.is_oracle}
+
+
+def teacher_is_oracle(config: TrainConfig) -> bool:
+    """Whether the run's teacher is an oracle (it reads the gold answers to decide the status)."""
+    if config.backoff.mode.value != "eviback":
+        return False
+    from eviback.teacher import load_policy
+
+    return load_policy(config.teacher).is_oracle
 
 
 def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
@@ -162,24 +177,38 @@ def load_policy_for_training(path: str, precision: Precision, resume_from: Path 
     return model, master
 
 
-def teacher_policy_ref(config: TrainConfig) -> str:
-    """The teacher policy a run uses: `config.teacher`, or, for a local teacher on the two-stage policy with
-    `teacher_stage_a=judge`, the two-stage policy whose Stage A is the trained evidence judge (built from
-    the run's training questions on first use, then cached)."""
+def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherPolicy
+    """The teacher policy a run uses: `config.teacher`, except for a local teacher on the two-stage policy,
+    whose Stage B is the extractive rule by default (`teacher_stage_b=extractive`: the two-stage-extractive
+    policy, no model) and whose Stage A is the trained evidence judge by default (`teacher_stage_a=judge`:
+    built from the run's training questions on first use, then cached). A served (http) teacher keeps the
+    policy as named. `teacher_span_words` > 0 bounds every extractive stage at that many words."""
+    from eviback.teacher import load_policy
+
     if config.teacher_stage_a not in ("judge", "prompted"):
         raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {config.teacher_stage_a!r}")
-    if config.teacher_backend != "local" or config.teacher_stage_a != "judge" or config.teacher != "two-stage":
-        return config.teacher
-    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_judge
+    policy = load_policy(config.teacher)
+    if config.teacher_backend == "local" and config.teacher == "two-stage":
+        if config.teacher_stage_b == "extractive":
+            policy = load_policy("two-stage-extractive")
+            log.info("teacher: Stage B is the extractive span of the evidence the actor saw (teacher_stage_b="
+                     "prompted keeps the LLM Stage B)")
+        if config.teacher_stage_a == "judge":
+            from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_judge, judge_policy
 
-    judge = build_judge(EvidenceJudgeConfig(
-        data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
-        epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
-        seed=config.build_seed))
-    log.info("teacher: two-stage with the trained evidence judge %s as Stage A (teacher_stage_a=prompted "
-             "keeps the prompted Stage A)", judge.sha256[:12])
-    warn_if_uninformative(judge.path)
-    return str(judge.policy_path)
+            judge = build_judge(EvidenceJudgeConfig(
+                data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
+                epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+                seed=config.build_seed))
+            log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
+                     "prompted Stage A)", judge.sha256[:12])
+            warn_if_uninformative(judge.path)
+            policy = judge_policy(judge.sha256, base=policy)
+    if config.teacher_span_words:
+        from eviback.teacher.extractive import with_max_words
+
+        policy = with_max_words(policy, config.teacher_span_words)
+    return policy
 
 
 def warn_if_uninformative(judge_dir: Path, min_kappa: float = 0.1) -> bool:
@@ -211,13 +240,13 @@ def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teac
     from eviback.teacher.local import LocalBackendConfig
 
     return build_teacher(TeacherConfig(
-        policy=teacher_policy_ref(config),
+        policy=config.teacher,
         backend=config.teacher_backend,
         local=LocalBackendConfig(model=config.teacher_model, dtype=config.dtype),
         http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
                                else config.teacher_model) if config.teacher_url else HttpBackendConfig(),
         judge=JudgeConfig(concurrency=config.teacher_concurrency),
-    ))
+    ), policy=teacher_policy(config))
 
 
 def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:  # noqa: C901
@@ -320,7 +349,10 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         # what judged this run: the policy actually loaded (e.g. the two-stage policy with the trained judge)
         run.write_teacher({**(teacher_record or {}), "policy_used": teacher.policy.name,
                            "version_used": teacher.policy.version,
-                           "boundary_violations_used": list(teacher.policy.boundary_violations())})
+                           "boundary_violations_used": list(teacher.policy.boundary_violations()),
+                           "oracle_used": teacher.policy.is_oracle,
+                           # the whole policy: it may be composed for the run (judge, extractive Stage B)
+                           "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
     pending: dict[int, dict[str, Any]] = {}
     backoff = config.backoff

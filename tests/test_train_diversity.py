@@ -1,0 +1,99 @@
+"""Within-group diversity of the all-zero groups (could a group carry a signal?), and its step metrics."""
+
+import pytest
+
+from eviback.protocol import render_observation
+from eviback.train.diversity import GroupDiversity, diversity_metrics, group_diversity
+from eviback.types import (
+    Action,
+    ActionKind,
+    Group,
+    Passage,
+    Question,
+    Status,
+    StopReason,
+    Trajectory,
+    Turn,
+    Verdict,
+)
+
+S, I, A = Status.SUFFICIENT, Status.INSUFFICIENT, Status.AMBIGUOUS  # noqa: E741 - the method's labels
+Q = Question("q", "When was the Eiffel Tower completed?", ("1889",))
+P1 = Passage("p1", '"Eiffel Tower"\nThe Eiffel Tower was completed in 1889.')
+P2 = Passage("p2", '"Louvre"\nThe Louvre is a museum in Paris.')
+P3 = Passage("p3", '"Paris"\nParis is the capital of France.')
+
+
+def rollout(*searches, answer="1900", cut=None, index=0):
+    """A rollout with one executed search per (query, passages); `cut` keeps that many characters of each
+    observation (what the actor saw)."""
+    turns = []
+    for query, passages in searches:
+        obs = render_observation(passages)
+        turns.append(Turn(f"<search> {query} </search>", Action(ActionKind.SEARCH, query), passages,
+                          obs[:cut] if cut else obs, True))
+    turns.append(Turn(f"<answer> {answer} </answer>", Action(ActionKind.ANSWER, answer)))
+    return Trajectory(Q, tuple(turns), answer, StopReason.ANSWERED, sample_index=index)
+
+
+def test_distinct_queries_evidence_rewards_and_statuses_of_a_group():
+    group = Group(Q, (
+        rollout(("Eiffel Tower", (P1, P2))),
+        rollout(("eiffel tower?", (P2, P1))),  # the same query normalised, the same passages in another order
+        rollout(("Louvre", (P2, P3))),
+        rollout(),  # no search at all
+    ))
+    verdicts = [Verdict(S, reward=1.0), Verdict(S, reward=1.0), Verdict(I, reward=0.0), Verdict(I, reward=0.0)]
+    d = group_diversity(group, [1.0, 1.0, 0.0, 0.0], verdicts)
+    assert d == GroupDiversity(rollouts=4, queries=3, evidence=3, rewards=2, statuses=2)
+
+
+def test_a_group_of_identical_rollouts_has_one_of_everything():
+    group = Group(Q, tuple(rollout(("Eiffel Tower", (P1,)), index=i) for i in range(3)))
+    d = group_diversity(group, [0.0, 0.0, 0.0])
+    assert (d.queries, d.evidence, d.rewards, d.statuses) == (1, 1, 1, None)  # not judged: no statuses
+
+
+def test_evidence_is_what_the_actor_saw():
+    full = render_observation((P1, P2))
+    cut = full.index("Doc 2(")  # the second passage was cut away entirely: never seen
+    group = Group(Q, (rollout(("Eiffel Tower", (P1, P2))), rollout(("Eiffel Tower", (P1, P2)), cut=cut)))
+    assert group_diversity(group, [0.0, 0.0]).evidence == 2
+
+
+def test_statuses_only_for_groups_judged_without_error():
+    group = Group(Q, (rollout(("a", (P1,))), rollout(("b", (P2,)))))
+    failed = [Verdict(S, reward=1.0), Verdict(None, error="timeout")]
+    assert group_diversity(group, [0.0, 0.0], failed).statuses is None
+    with pytest.raises(ValueError, match="3 rewards for a group of 2"):
+        group_diversity(group, [0.0, 0.0, 0.0])
+
+
+def test_step_metrics_average_over_the_all_zero_groups():
+    metrics = diversity_metrics([GroupDiversity(5, 1, 2, 1, 1), GroupDiversity(5, 3, 4, 2, None)])
+    assert metrics == {"backoff/all_zero_distinct_queries": 2.0, "backoff/all_zero_distinct_evidence": 3.0,
+                       "backoff/all_zero_distinct_rewards": 1.5, "backoff/all_zero_distinct_statuses": 1.0}
+    assert set(diversity_metrics([]).values()) == {None}
+
+
+def test_a_step_logs_the_diversity_of_its_all_zero_groups_next_to_the_informative_share():
+    from eviback.backoff import BackoffConfig, Mode, group_advantages
+    from eviback.rollout import RolloutBatch
+    from eviback.train.grpo import StepOutcome, step_metrics
+
+    verified = Group(Q, (rollout(("Eiffel Tower", (P1,)), answer="1889"), rollout(("Louvre", (P2,)))))
+    same = Group(Q, (rollout(("Eiffel Tower", (P1,))), rollout(("Eiffel Tower", (P1,)), index=1)))
+    varied = Group(Q, (rollout(("Eiffel Tower", (P1,)), answer="1889 or 1890"), rollout(("Louvre", (P2,)))))
+    config = BackoffConfig(Mode.F1_FALLBACK)
+    outcomes = (group_advantages([1, 0], None, config, f1=[1.0, 0.0]),
+                group_advantages([0, 0], None, config, f1=[0.0, 0.0]),
+                group_advantages([0, 0], None, config, f1=[0.5, 0.0]))
+    outcome = StepOutcome(step=1, batch=RolloutBatch((verified, same, varied), (), 1.0), outcomes=outcomes,
+                          verdicts=(None, None, None), teacher_s=0.0, sync_s=0.0)
+    record = step_metrics(outcome, config)
+    assert record["backoff/informative_fallback_share"] == 0.5
+    assert record["backoff/all_zero_distinct_queries"] == 1.5  # 1 in `same`, 2 in `varied`; `verified` left out
+    assert record["backoff/all_zero_distinct_evidence"] == 1.5
+    assert record["backoff/all_zero_distinct_rewards"] == 1.5
+    assert record["backoff/all_zero_distinct_statuses"] is None  # no teacher in f1-fallback
+    assert record["backoff/fallback_reward_mean"] == pytest.approx(0.125) and record["teacher/reward_mean"] is None
