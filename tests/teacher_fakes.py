@@ -128,13 +128,15 @@ def send_json(handler: BaseHTTPRequestHandler, code: int, text: str) -> None:
 
 class FaultyChatServer(LocalHttpServer):
     """An OpenAI-compatible server on 127.0.0.1 that answers every chat call with `fault`. Use as a
-    context manager; `base_url` ends in /v1; `calls` counts chat requests received."""
+    context manager; `base_url` ends in /v1; `calls` counts chat requests received. A HANG lasts `hang_s`
+    (None: until the server closes); `hangs_ended` counts the hangs that ended before the server closed."""
 
-    def __init__(self, fault: Fault | str = Fault.OK, *, hang_s: float = 30.0, fail_first: int = 1) -> None:
+    def __init__(self, fault: Fault | str = Fault.OK, *, hang_s: float | None = 30.0, fail_first: int = 1) -> None:
         self.fault = Fault(fault)
         self.hang_s = hang_s
         self.fail_first = fail_first
         self.calls = 0
+        self.hangs_ended = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         server = self
@@ -164,7 +166,9 @@ class FaultyChatServer(LocalHttpServer):
                     else:
                         self._send(200, _envelope("Here is my verdict: " + _ok_content(body)))
                 elif fault is Fault.HANG:
-                    server._stop.wait(server.hang_s)
+                    if not server._stop.wait(server.hang_s):
+                        with server._lock:
+                            server.hangs_ended += 1
                     self._send(200, _envelope(_ok_content(body)))
                 elif fault is Fault.ERROR_500:
                     self._send(500, json.dumps({"error": {"message": "internal error (injected)"}}))

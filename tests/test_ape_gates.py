@@ -152,3 +152,13 @@ def test_spec_validation_names_the_fix(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("cost: {max_tokens_per_rollout: 1000}\n")
     assert load_spec(path).cost.max_tokens_per_rollout == 1000.0
+    # a value of the wrong type is named with the type it takes, not found later in a comparison
+    path.write_text("stability: {reordered_evidence: {min_agreement: high}}\n")
+    with pytest.raises(SpecError, match=r"s.yaml.stability.reordered_evidence.min_agreement: setting "
+                                        r"'min_agreement' takes a number \(float\), got 'high'"):
+        load_spec(path)
+    path.write_text("search: {rounds: 2.5}\n")
+    with pytest.raises(SpecError, match=r"takes an integer \(int\), got 2.5"):
+        load_spec(path)
+    path.write_text("hard_gates: {max_error_rate: 1e-3}\n")  # YAML reads 1e-3 as a string
+    assert load_spec(path).hard_gates.max_error_rate == 1e-3

@@ -1,12 +1,19 @@
 """A real E2E-APE run on the bundled SmolLM2 (teacher and controller in process) over a small dump of rollouts on
-training questions, through the command line; the sealed test decides whether the winner is frozen, and a
-frozen winner then judges rollouts in `eviback judge`. The budget is tiny (a handful of
-rollouts, two candidates, loose thresholds): this checks the path a user runs, not the teacher's quality."""
+training questions, through the command line, and a frozen winner judging rollouts on the real model in
+`eviback judge`. The budget is tiny (a handful of rollouts, two candidates, loose thresholds): this checks the
+path a user runs, not the teacher's quality.
+
+Whether the real model's winner passes the sealed test is the model's to decide, so the two paths are two
+tests that each always assert theirs: the real run asserts what holds either way (a frozen policy exactly
+when the sealed test confirms, the exit code, the report, the replay), and the freeze and load path runs
+with the scripted teacher of test_ape_pipeline, whose winner the sealed test always confirms."""
 
 import json
 
 import pytest
 
+from eviback.ape import run_ape
+from eviback.ape.spec import spec_from_mapping
 from eviback.cli import main
 from eviback.data import write_jsonl
 from eviback.teacher.policy import read_artifact
@@ -37,57 +44,77 @@ search:
 """
 
 
-def test_a_real_run_freezes_a_policy_that_eviback_judge_loads(tmp_path, capsys):
+@pytest.fixture
+def torch_threads():
+    """`--threads 1` is process-wide: restore the thread count for the other tests."""
     import torch
 
-    threads = torch.get_num_threads()  # --threads 1 is process-wide: restore it for the other tests
-    try:
-        (tmp_path / "spec.yaml").write_text(SPEC)
-        out = tmp_path / "run"
-        rollouts = tmp_path / "rollouts.jsonl.gz"
-        write_jsonl(rollouts, (to_dict(p.trajectory) for p in build_probes(10, source="train")))
-        args = ["ape", str(rollouts), "--out", str(out), "--spec", str(tmp_path / "spec.yaml"),
-                "--backend", "local", "--controller", "local", "--threads", "1", "--concurrency", "1",
-                "--seed-policy", "two-stage"]
-        code = main(args)
-        result = json.loads((out / "result.json").read_text())
-        confirmation = result["confirmation"]
-        assert code == (0 if confirmation["confirmed"] else 1)
-        winner = result["selection"]["winner"]
-        assert winner and result["test"]["winner"] == winner
-        assert {c["candidate"]["id"] for c in result["candidates"]} >= {"s0", "s1"}
-        assert "- two-stage\n  - single-prompt-dual-task" in (out / "spec.yaml").read_text()
-        assert next(c for c in result["candidates"] if c["candidate"]["id"] == "s1")["phase"] == "static"
-        assert any(p["id"] == "r1.p0" for p in result["rejected_proposals"]) or any(
-            c["candidate"]["id"] == "r1.p0" for c in result["candidates"])  # the controller was asked
-        baseline = result["test"]["baseline_metrics"]["boundary"]
-        assert baseline["gold_leaks"] == baseline["audited_requests"] > 0  # canaries caught the manual policy
-        assert result["test"]["winner_metrics"]["boundary"]["gold_leaks"] == 0
-        report = (out / "report.md").read_text()
-        assert "## Sealed test" in report and "Freeze rule `lower-bound-above-baseline`" in report
-        if not confirmation["confirmed"]:  # the sealed test did not confirm the winner: nothing is frozen
-            assert confirmation["reasons"] and not (out / "teacher.json").exists()
-            assert "Nothing frozen: the sealed test did not confirm" in report
-            assert main(args) == 1 and json.loads((out / "result.json").read_text()) == result  # replayed
-            return
-        artifact = read_artifact(out / "teacher.json")
-        assert artifact.version == result["frozen_version"] and artifact.provenance["gate_report"]
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
-        # the same command again: everything is replayed from the log, nothing is judged
-        events = (out / "events.jsonl").read_text().count("\n")
-        assert main(args) == 0
-        assert json.loads((out / "result.json").read_text())["teacher_calls"] == result["teacher_calls"]
-        assert (out / "events.jsonl").read_text().count("\n") == events
-        capsys.readouterr()
 
-        dump = tmp_path / "dump.jsonl"
-        write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(2, seed=21)))
-        policy = f"{out / 'teacher.json'}@{artifact.version[:12]}"
-        verdicts = tmp_path / "verdicts.jsonl"
-        assert main(["judge", str(dump), "--backend", "local", "--policy", policy, "--threads", "1", "--no-cache",
-                     "--concurrency", "1", "--out", str(verdicts)]) == 0
-        rows = [json.loads(line) for line in verdicts.read_text().splitlines()]
-        assert len(rows) == 2 and all(r["verdict"]["status"] in ("S", "A", "I") for r in rows)
-        assert all(r["verdict"]["policy_version"] == artifact.version for r in rows)
-    finally:
-        torch.set_num_threads(threads)
+def test_a_real_run_decides_on_the_sealed_test_and_replays(tmp_path, torch_threads):
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    out = tmp_path / "run"
+    rollouts = tmp_path / "rollouts.jsonl.gz"
+    write_jsonl(rollouts, (to_dict(p.trajectory) for p in build_probes(10, source="train")))
+    args = ["ape", str(rollouts), "--out", str(out), "--spec", str(tmp_path / "spec.yaml"),
+            "--backend", "local", "--controller", "local", "--threads", "1", "--concurrency", "1",
+            "--seed-policy", "two-stage"]
+    code = main(args)
+    result = json.loads((out / "result.json").read_text())
+    confirmation = result["confirmation"]
+    confirmed = confirmation["confirmed"]
+    assert code == (0 if confirmed else 1)
+    winner = result["selection"]["winner"]
+    assert winner and result["test"]["winner"] == winner
+    assert {c["candidate"]["id"] for c in result["candidates"]} >= {"s0", "s1"}
+    assert "- two-stage\n  - single-prompt-dual-task" in (out / "spec.yaml").read_text()
+    assert next(c for c in result["candidates"] if c["candidate"]["id"] == "s1")["phase"] == "static"
+    assert any(p["id"] == "r1.p0" for p in result["rejected_proposals"]) or any(
+        c["candidate"]["id"] == "r1.p0" for c in result["candidates"])  # the controller was asked
+    baseline = result["test"]["baseline_metrics"]["boundary"]
+    assert baseline["gold_leaks"] == baseline["audited_requests"] > 0  # canaries caught the manual policy
+    assert result["test"]["winner_metrics"]["boundary"]["gold_leaks"] == 0
+    report = (out / "report.md").read_text()
+    assert "## Sealed test" in report and "Freeze rule `lower-bound-above-baseline`" in report
+    # a frozen policy exactly when the sealed test confirmed the winner; otherwise the reasons
+    assert (out / "teacher.json").exists() == confirmed == bool(result["frozen_version"])
+    assert ("Nothing frozen: the sealed test did not confirm" in report) == (not confirmed)
+    assert confirmed or confirmation["reasons"]
+    if confirmed:
+        assert read_artifact(out / "teacher.json").version == result["frozen_version"]
+
+    # the same command again: everything is replayed from the log, nothing is judged
+    events = (out / "events.jsonl").read_text().count("\n")
+    assert main(args) == code
+    again = json.loads((out / "result.json").read_text())
+    assert again["teacher_calls"] == result["teacher_calls"] and again["selection"] == result["selection"]
+    assert (out / "events.jsonl").read_text().count("\n") == events
+
+
+def test_a_frozen_winner_judges_rollouts_on_the_real_model(tmp_path, torch_threads):
+    """The freeze and load path, reached every time: E2E-APE freezes the winner that the sealed test confirms
+    (the scripted teacher of test_ape_pipeline makes it so), and `eviback judge` loads it by path and version,
+    as a user gives it, and judges rollouts with the real model."""
+    from test_ape_pipeline import SPEC as SCRIPTED_SPEC
+    from test_ape_pipeline import Oracle, config, controller, planted_rollouts
+
+    dump, planted, _ = planted_rollouts(tmp_path)
+    oracle = Oracle(planted)
+    result = run_ape(config(tmp_path / "run", dump), spec_from_mapping(SCRIPTED_SPEC), client=oracle.client,
+                     controller=controller(), progress=oracle.progress)
+    assert result.confirmation is not None and result.confirmation.confirmed
+    artifact = read_artifact(result.frozen_path)
+    assert artifact.version == result.frozen_version and artifact.provenance["gate_report"]
+
+    rollouts = tmp_path / "rollouts.jsonl"
+    write_jsonl(rollouts, (to_dict(p.trajectory) for p in build_probes(2, seed=21)))
+    policy = f"{result.frozen_path}@{artifact.version[:12]}"
+    verdicts = tmp_path / "verdicts.jsonl"
+    assert main(["judge", str(rollouts), "--backend", "local", "--policy", policy, "--threads", "1", "--no-cache",
+                 "--concurrency", "1", "--out", str(verdicts)]) == 0
+    rows = [json.loads(line) for line in verdicts.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["verdict"]["status"] in ("S", "A", "I") for r in rows)
+    assert all(r["verdict"]["policy_version"] == artifact.version for r in rows)

@@ -77,10 +77,10 @@ class Oracle:
             self.selected = True
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def planted_rollouts(directory):
     """Rollouts on training questions, each question's gold answers extended by a unique canary (the original
-    gold answers kept, so the evidence labels are those of the real data)."""
+    gold answers kept, so the evidence labels are those of the real data), written to `directory`/dump.jsonl:
+    (path, rollouts, canaries). With :class:`Oracle` as the teacher, the sealed test confirms the winner."""
     trajectories = [p.trajectory for p in build_probes(80, seed=3, source="train", datasets=("nq", "popqa"))]
     planted, canaries = [], []
     for i, t in enumerate(trajectories):
@@ -88,9 +88,14 @@ def data(tmp_path_factory):
         question = dataclasses.replace(t.question, golden_answers=(*t.question.golden_answers, canary))
         planted.append(dataclasses.replace(t, question=question))
         canaries.append(canary)
-    path = tmp_path_factory.mktemp("ape") / "dump.jsonl"
+    path = directory / "dump.jsonl"
     write_jsonl(path, (to_dict(t) for t in planted))
     return path, planted, canaries
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return planted_rollouts(tmp_path_factory.mktemp("ape"))
 
 
 PARAPHRASE_PREFIX = "Controller rewording:"

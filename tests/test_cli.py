@@ -36,6 +36,18 @@ def test_data_validate_reports_file_and_line(tmp_path):
     assert "1 records ok, 1 skipped" in result.stdout
 
 
+def test_data_validate_warns_about_golds_that_normalise_to_nothing(tmp_path, capsys):
+    from eviback.cli import main
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"id": "a", "question": "q?", "golden_answers": ["x"]}\n'
+                    '{"id": "b", "question": "symbol?", "golden_answers": ["saltire", "*"]}\n')
+    assert main(["data", "validate", str(path)]) == 0  # the file is valid: warned, not refused
+    out = capsys.readouterr().out
+    assert f"warning: {path}:2: question 'b': gold answer '*'" in out
+    assert "2 records ok, 0 skipped, 1 warning(s)" in out
+
+
 def test_data_convert_to_parquet_and_back(tmp_path):
     src = tmp_path / "q.jsonl"
     src.write_text(json.dumps({"id": "1", "question": "who?", "golden_answers": ["a"]}) + "\n")

@@ -65,6 +65,28 @@ def test_skip_bad_skips_and_counts(tmp_path):
     assert ":2:" in report.skipped[0] and ":3:" in report.skipped[1]
 
 
+def test_golds_that_normalise_to_nothing_are_warned_about_by_file_and_line(tmp_path):
+    path = _write(tmp_path / "q.jsonl", [
+        '{"id": "1", "question": "blood type?", "golden_answers": ["A+", "AB+"]}',
+        '{"id": "2", "question": "fine?", "golden_answers": ["Paris"]}',
+        "",
+        '{"id": "3", "question": "band?", "golden_answers": ["The The"]}',
+    ])
+    report = data.ReadReport()
+    questions = data.read_questions(path, report=report)
+    assert [q.id for q in questions] == ["1", "2", "3"]  # a warning, not an error: every line is read
+    assert len(report.warnings) == 2 and not report.skipped
+    assert report.warnings[0].startswith(f"{path}:1: question '1': gold answer 'A+'")
+    assert "'a+'" in report.warnings[0]  # the form it is scored in
+    assert report.warnings[1].startswith(f"{path}:4: question '3': gold answer 'The The'")
+    # the Search-R1 parquet layout is checked too, by row
+    parquet = tmp_path / "q.parquet"
+    data.write_questions(parquet, questions)
+    report = data.ReadReport()
+    data.read_questions(parquet, report=report)
+    assert report.read == 3 and [w.split(": ")[0] for w in report.warnings] == [f"{parquet}:1", f"{parquet}:3"]
+
+
 def test_corpus_streaming_and_errors(tmp_path):
     path = _write(tmp_path / "c.jsonl", [
         json.dumps({"id": "1", "contents": '"Title"\nbody text'}),

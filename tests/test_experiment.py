@@ -285,14 +285,43 @@ TINY = {"backend": "hf", "warm_start": False, "group_size": 2, "questions_per_st
         "train_files": ["popqa_train"]}
 
 
-def run_experiment(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+# The end-to-end test's time limits. Each `eviback experiment` call has its own, and the test's limit
+# (pytest-timeout; 1,800 s for the other tests) is above their sum, so a slow experiment fails with its own
+# output and stops its runs, instead of pytest ending the test in the middle of a call and leaving them.
+FIRST_CALL_S = 2400  # the warm-start evaluation and two 2-step runs, on a slow CPU machine
+REPLAY_CALL_S = 300  # everything done: the comparison only
+TEST_LIMIT_S = FIRST_CALL_S + REPLAY_CALL_S + 300
+
+
+def run_experiment(cwd: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """`eviback experiment ARGS` in `cwd`; past `timeout_s` it is stopped with SIGTERM (which stops the run it
+    started, see the test above) and the test fails with the end of its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "GIT_AUTHOR_NAME": "t",
            "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run([sys.executable, "-m", "eviback.cli", "experiment", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=2400)
+    command = [sys.executable, "-m", "eviback.cli", "experiment", *args]
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                out, err = process.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+            pytest.fail(f"`eviback experiment` ran past its {timeout_s:.0f} s limit and was stopped:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def test_the_end_to_end_limits_are_consistent():
+    assert FIRST_CALL_S + REPLAY_CALL_S < TEST_LIMIT_S
+    marker = test_two_arm_experiment_end_to_end_committed_and_resumed.pytestmark
+    assert any(m.name == "timeout" and m.args == (TEST_LIMIT_S,) for m in marker)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TEST_LIMIT_S)
 def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     git = ["git"]
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
@@ -302,7 +331,7 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
             "arms": [{"name": "grpo", "preset": "grpo"}, {"name": "eviback", "preset": "eviback"}]}
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(spec))
     data = str(embedded_root())
-    result = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit")
+    result = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit", timeout_s=FIRST_CALL_S)
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "results" / "ci"
     for arm in ("grpo", "eviback"):
@@ -355,6 +384,6 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     tracked = subprocess.run([*git, "ls-files"], cwd=tmp_path, capture_output=True, text=True).stdout
     assert "runs/" not in tracked and "checkpoint" not in tracked
     # a second call redoes nothing: every run is done
-    again = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit")
+    again = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit", timeout_s=REPLAY_CALL_S)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "run 1/" not in again.stderr and "eviback - grpo" in again.stdout

@@ -3,6 +3,8 @@
 import pytest
 
 from eviback.metrics import (
+    answer_key,
+    answer_occurs,
     exact_match,
     f1_score,
     normalize_answer,
@@ -47,6 +49,74 @@ def test_f1_yes_no_rule():
     assert f1_score("yes it is", ["yes"]) == 0.0  # gold is special and differs
     assert f1_score("no", ["no"]) == 1.0
     assert f1_score("yes", ["no", "yes"]) == 1.0
+
+
+# Golds that SQuAD normalisation empties, as found in the data releases (nq, hotpotqa): `A+` (a blood
+# type), `The The` and `!!!` (bands), `*` (a symbol), and stray `)` / `---`.
+EMPTIED_GOLDS = ("A+", "The The", "!!!", "*", ")", "---")
+
+
+@pytest.mark.parametrize("gold", EMPTIED_GOLDS)
+def test_a_gold_that_squad_empties_matches_only_itself(gold):
+    assert normalize_answer(gold) == ""  # the case at hand
+    for metric in (exact_match, sub_exact_match, f1_score):
+        assert metric(gold, [gold]) == 1.0, metric.__name__
+        assert metric(gold.lower(), [gold]) == 1.0, metric.__name__
+        for other in ("...", "", " ", "Paris", "a"):
+            assert metric(other, [gold]) == 0.0, (metric.__name__, other)
+    assert exact_match("the", [gold]) == 0.0 and sub_exact_match("the", [gold]) == 0.0
+
+
+def test_a_gold_that_squad_empties_gets_partial_f1_like_any_other():
+    assert f1_score("the", ["The The"]) == pytest.approx(2 / 3)  # one of its two words
+
+
+def test_punctuation_only_answers_do_not_match_each_other():
+    assert exact_match("...", ["*"]) == 0.0  # both used to normalise to "", which made them equal
+    assert exact_match("A", ["A+"]) == 0.0 and exact_match("A-", ["A+"]) == 0.0
+    assert sub_exact_match("Paris is the capital", ["*"]) == 0.0  # "" used to be in every prediction
+    assert sub_exact_match("a saltire", ["*"]) == 0.0
+    assert f1_score("...", ["*"]) == 0.0
+    # the question of the issue (nq test_1986): its other golds still score as before
+    golds = ["a rotationally symmetric saltire", "the symbol ×", "*"]
+    assert exact_match("...", golds) == 0.0 and sub_exact_match("...", golds) == 0.0
+    assert exact_match("the symbol ×", golds) == 1.0 and exact_match("*", golds) == 1.0
+
+
+def test_a_gold_that_squad_empties_is_found_as_whole_words():
+    assert sub_exact_match("The blood type is A+.", ["A+"]) == 1.0
+    assert sub_exact_match("blood type AB+", ["A+"]) == 0.0  # not inside a word
+    assert sub_exact_match("2 * 3", ["*"]) == 1.0
+    assert sub_exact_match("2*3", ["*"]) == 0.0
+    assert sub_exact_match("the band The The", ["The The"]) == 1.0
+    assert f1_score("blood type A+", ["A+"]) == pytest.approx(0.5)  # plain tokens: blood, type, a+
+    assert f1_score("blood type AB+", ["A+", "AB+"]) == pytest.approx(0.5)  # AB+ keeps its SQuAD form "ab"
+
+
+def test_a_blank_gold_never_matches():
+    for prediction in ("", " ", "...", "Paris"):
+        for metric in (exact_match, sub_exact_match, f1_score):
+            assert metric(prediction, ["", " "]) == 0.0, (metric.__name__, prediction)
+
+
+@pytest.mark.parametrize("a", ["A+", "a+", "A", "...", "*", "The The", "the", "Paris", "the Paris", ""])
+@pytest.mark.parametrize("b", ["A+", "a +", "...", "*", "The The", "Paris", " the  paris ", "!!!"])
+def test_equal_keys_mean_exact_match(a, b):
+    assert (answer_key(a) == answer_key(b) and answer_key(b) != "") == (exact_match(a, [b]) == 1.0)
+    assert sub_exact_match(a, [b]) >= exact_match(a, [b])
+
+
+@pytest.mark.parametrize("answer, text, found", [
+    ("A+", "patients with type A+ blood", True),
+    ("A+", "patients with type AB+ blood", False),
+    ("*", "written 2*3", False),
+    ("...", "a passage cut here ...", True),  # a plain answer is found as itself, nothing more
+    ("...", "a passage with no dots", False),
+    ("", "anything", False),
+    (None, "anything", False),
+])
+def test_answer_occurs(answer, text, found):
+    assert answer_occurs(answer, text) is found
 
 
 def _trajectory(queries, answer, stop=StopReason.ANSWERED, golds=("Paris",)):

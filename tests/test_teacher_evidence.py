@@ -68,6 +68,9 @@ def test_a_repeated_search_adds_its_result_once():
     ("ten", "10 years later", False),
     ("yes", "Sutera is a genus of flowering plants", False),  # a yes/no answer is never a span of the text
     ("", "anything", False),
+    ("A+", "blood of type A+ is", True),  # SQuAD normalisation empties "A+": its plain form is looked for
+    ("A+", "blood of type AB+ is", False),
+    ("...", "the text", False),  # an answer that normalises to nothing is never found as the empty string
 ])
 def test_answer_in_evidence(answer, evidence, found):
     assert answer_in_evidence(answer, evidence) is found

@@ -130,19 +130,30 @@ def test_verdicts_keep_the_input_order_and_groups_are_judged_as_one_batch(rollou
 
 
 def test_concurrency_is_bounded(rollouts):
-    active, peak, lock = [0], [0], threading.Lock()
+    """Three requests are in flight at once, and never more. The first three wait for each other at a
+    barrier, so the overlap does not depend on how fast the machine is; with a bound below three the barrier
+    breaks after its (generous) timeout and the test fails saying so."""
+    active, peak, started, lock = [0], [0], [0], threading.Lock()
+    all_three = threading.Barrier(3, timeout=60)
 
     def script(request):
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-        time.sleep(0.02)
-        with lock:
-            active[0] -= 1
+            started[0] += 1
+            first = started[0] <= 3
+        try:
+            if first:
+                all_three.wait()
+                time.sleep(0.05)  # keep them in flight a moment: a fourth, were the bound broken, would show
+        finally:
+            with lock:
+                active[0] -= 1
         return default_reply(request)
     with teacher(ScriptedClient(script), config=JudgeConfig(concurrency=3)) as t:
-        t.judge(rollouts)
-    assert peak[0] == 3
+        verdicts = t.judge(rollouts)
+    assert not all_three.broken, "three requests were never in flight at once"
+    assert peak[0] == 3 and not any(v.teacher_error for v in verdicts)
 
 
 def test_summary_counts(rollouts):

@@ -2,8 +2,10 @@
 
 Every reader validates as it goes: a malformed line, a missing field or an empty answer list raises
 :class:`DataError` naming the file, the line and the field. Nothing is skipped silently; with
-`skip_bad=True` bad lines are skipped *and counted* (see :class:`ReadReport`). Files ending in `.gz`
-are read and written compressed. Corpora are read streaming, one line at a time.
+`skip_bad=True` bad lines are skipped *and counted* (see :class:`ReadReport`). A line that is valid but
+worth a look (a gold answer that SQuAD normalisation empties) is read and noted as a warning in the report,
+with its file and line. Files ending in `.gz` are read and written compressed. Corpora are read streaming,
+one line at a time.
 """
 
 from __future__ import annotations
@@ -19,28 +21,44 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from eviback.metrics import normalize_answer, plain_answer
 from eviback.protocol import build_prompt
 from eviback.types import Passage, Question
 
 T = TypeVar("T")
 
 
+def _where(path: str | os.PathLike, line: int | None) -> str:
+    return f"{path}:{line}" if line is not None else str(path)
+
+
 class DataError(ValueError):
     """A data file is malformed. The message names the file, the line and the field."""
 
     def __init__(self, path: str | os.PathLike, line: int | None, message: str) -> None:
-        where = f"{path}:{line}" if line is not None else str(path)
-        super().__init__(f"{where}: {message}")
+        super().__init__(f"{_where(path, line)}: {message}")
         self.path = str(path)
         self.line = line
 
 
 @dataclass
 class ReadReport:
-    """How many records were read, and which lines were skipped (only with `skip_bad=True`)."""
+    """How many records were read, which lines were skipped (only with `skip_bad=True`), and warnings about
+    lines that were read (each message starts with `file:line`)."""
 
     read: int = 0
     skipped: list[str] = field(default_factory=list)  # the error message of each skipped line
+    warnings: list[str] = field(default_factory=list)
+
+
+def gold_warnings(question: Question, path: str | os.PathLike = "<memory>", number: int | None = None) -> list[str]:
+    """One `file:line` message per gold answer of `question` that SQuAD normalisation empties (`A+`, `The
+    The`, `*`, `)`). Such a gold is not an error: the metrics compare it in its plain form (`a+`; see
+    :mod:`eviback.metrics`), so it matches only a prediction that is the same text, and a stray one (`)`,
+    `---`) matches nothing useful. It is worth a look, so validation reports it."""
+    return [f"{_where(path, number)}: question {question.id!r}: gold answer {g!r} is only punctuation and "
+            f"articles; SQuAD normalisation leaves nothing, so it is scored in its plain form {plain_answer(g)!r}"
+            for g in question.golden_answers if not normalize_answer(g)]
 
 
 def open_text(path: str | os.PathLike, mode: str = "r") -> IO[str]:
@@ -147,19 +165,22 @@ def question_to_json(question: Question) -> dict[str, Any]:
 def read_questions(
     path: str | os.PathLike, *, skip_bad: bool = False, report: ReadReport | None = None
 ) -> list[Question]:
-    """Read a FlashRAG QA JSONL file (or `.parquet` in Search-R1's layout). Duplicate ids are an error."""
+    """Read a FlashRAG QA JSONL file (or `.parquet` in Search-R1's layout). Duplicate ids are an error; gold
+    answers that SQuAD normalisation empties are noted in `report.warnings` (see :func:`gold_warnings`)."""
     if str(path).endswith(".parquet"):
-        return read_search_r1_parquet(path)
+        return read_search_r1_parquet(path, report=report)
     seen: dict[str, int] = {}
+
+    report = report if report is not None else ReadReport()
 
     def parse(obj: Any, path: str | os.PathLike, number: int) -> Question:
         question = question_from_json(obj, path, number)
         if question.id in seen:
             raise DataError(path, number, f"duplicate id {question.id!r} (first on line {seen[question.id]})")
         seen[question.id] = number
+        report.warnings.extend(gold_warnings(question, path, number))
         return question
 
-    report = report if report is not None else ReadReport()
     return list(_parse_lines(path, parse, skip_bad=skip_bad, report=report))
 
 
@@ -257,9 +278,10 @@ def write_search_r1_parquet(path: str | os.PathLike, questions: Iterable[Questio
     pq.write_table(pa.Table.from_pylist(rows), str(path))
 
 
-def read_search_r1_parquet(path: str | os.PathLike) -> list[Question]:
+def read_search_r1_parquet(path: str | os.PathLike, report: ReadReport | None = None) -> list[Question]:
     """Questions from a Search-R1 training parquet. The question text comes from the `question` column
-    when present, else from the prompt (Search-R1's prefix removed)."""
+    when present, else from the prompt (Search-R1's prefix removed). `report`, when given, counts the rows
+    read and notes their gold-answer warnings, by row number."""
     import pyarrow.parquet as pq
 
     from eviback.protocol import PROMPT_PREFIX
@@ -285,13 +307,17 @@ def read_search_r1_parquet(path: str | os.PathLike) -> list[Question]:
                 raise DataError(path, row_number, "no 'question' column and the prompt is not Search-R1's")
             text = content[len(PROMPT_PREFIX):].rstrip("\n")
         extra = row.get("extra_info") or {}
-        questions.append(Question(
+        question = Question(
             id=str(row.get("id") or f"{row.get('data_source', 'row')}_{extra.get('index', row_number - 1)}"),
             question=text,
             golden_answers=tuple(golds),
             dataset=str(row.get("data_source") or ""),
             split=str(extra.get("split") or ""),
-        ))
+        )
+        questions.append(question)
+        if report is not None:
+            report.read += 1
+            report.warnings.extend(gold_warnings(question, path, row_number))
     return questions
 
 

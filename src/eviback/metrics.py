@@ -4,6 +4,13 @@ Answer normalisation exists once, here: SQuAD's rule (lower-case, drop punctuati
 a/an/the, collapse white space). Every answer metric is the maximum over the gold answers, and a missing
 answer (None) scores 0. F1 follows FlashRAG: when either side normalises to yes/no/noanswer and the two
 differ, that pair scores 0.
+
+SQuAD's rule leaves nothing of an answer made only of punctuation and articles (`A+`, `The The`, `*`,
+`!!!`): such a gold would match every prediction that also normalises to nothing (`...` earned EM 1 against
+`*`), and `A+` would be lost. So the gold decides how a pair is compared (:func:`answer_forms`): a gold with a
+SQuAD form is compared with the prediction's SQuAD form, as always; a gold without one keeps its plain form
+(lower-cased, white space collapsed: `a+`, `the the`) and is compared with the prediction's plain form. An
+empty form (a blank gold) never matches anything.
 """
 
 from __future__ import annotations
@@ -22,35 +29,89 @@ _SPECIAL = frozenset({"yes", "no", "noanswer"})
 
 
 def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lower-case, strip punctuation, drop a/an/the, collapse white space."""
+    """SQuAD normalisation: lower-case, strip punctuation, drop a/an/the, collapse white space.
+
+    It is empty for a text made only of punctuation and articles (`A+`, `The The`, `...`); answers are
+    compared through :func:`answer_forms` or :func:`answer_key`, which keep such an answer."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
+def plain_answer(text: str) -> str:
+    """The plain form of an answer: lower-cased, white space collapsed, nothing else removed."""
+    return " ".join(text.lower().split())
+
+
+def answer_key(text: str) -> str:
+    """The form an answer is compared in: its SQuAD form, or its plain form when SQuAD leaves nothing.
+
+    Two keys are equal only when both answers have a SQuAD form or neither has (a SQuAD form holds no
+    punctuation and no article word; a plain form that SQuAD empties always holds one), so equal keys mean
+    what :func:`exact_match` means. Empty only for a blank text; an empty key matches nothing."""
+    return normalize_answer(text) or plain_answer(text)
+
+
+def answer_forms(prediction: str, gold: str) -> tuple[str, str, bool]:
+    """`(prediction form, gold form, plain)`: how `prediction` is compared with `gold`.
+
+    The gold decides: when it has a SQuAD form, both sides are SQuAD-normalised (`plain` False); when SQuAD
+    leaves nothing of it (`A+`), both sides keep their plain form (`a+`; `plain` True), so `A+` matches `a+`
+    but neither `A` nor `...`. A gold form that is empty (a blank gold) must never match: every metric
+    checks it."""
+    ref = normalize_answer(gold)
+    if ref:
+        return normalize_answer(prediction), ref, False
+    return plain_answer(prediction), plain_answer(gold), True
+
+
+def _occurs_plain(needle: str, text: str) -> bool:
+    """Whether the plain form `needle` occurs in the plain form `text` with no word character on either
+    side: `a+` is found in "type a+." but not in "ba+"; `*` is found in "2 * 3" but not in "2*3"."""
+    return bool(needle) and re.search(rf"(?<!\w){re.escape(needle)}(?!\w)", text) is not None
+
+
+def answer_occurs(answer: str | None, text: str) -> bool:
+    """Whether `answer` occurs in `text` as whole words, by the metrics' rule: its SQuAD form among the
+    SQuAD-normalised words of `text` ("ten" is not in "often"; "10" is not in "ten"), or, for an answer
+    that SQuAD empties (`A+`), its plain form in the plain text with no word character on either side. An
+    empty or blank answer never occurs."""
+    wanted = normalize_answer(answer or "")
+    if wanted:
+        return f" {wanted} " in f" {normalize_answer(text)} "
+    return _occurs_plain(plain_answer(answer or ""), plain_answer(text))
+
+
 def exact_match(prediction: str | None, golds: Sequence[str]) -> float:
-    """1.0 when the normalised prediction equals a normalised gold answer."""
+    """1.0 when the prediction equals a gold answer, each pair compared in the forms of :func:`answer_forms`
+    (a blank gold never matches)."""
     if prediction is None:
         return 0.0
-    pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in golds))
+    return float(any(ref and pred == ref for pred, ref, _ in (answer_forms(prediction, g) for g in golds)))
 
 
 def sub_exact_match(prediction: str | None, golds: Sequence[str]) -> float:
-    """1.0 when a normalised gold answer is a substring of the normalised prediction."""
+    """1.0 when a gold answer occurs in the prediction: its SQuAD form as a substring of the normalised
+    prediction (FlashRAG's rule), or, for a gold that SQuAD empties, its plain form in the plain prediction
+    with no word character on either side (a bare substring rule would find `*` in "2*3"). A blank gold
+    never matches. Whenever EM is 1, sub-EM is 1."""
     if prediction is None:
         return 0.0
-    pred = normalize_answer(prediction)
-    return float(any(normalize_answer(g) in pred for g in golds))
+    for gold in golds:
+        pred, ref, plain = answer_forms(prediction, gold)
+        if ref and (_occurs_plain(ref, pred) if plain else ref in pred):
+            return 1.0
+    return 0.0
 
 
 def f1_score(prediction: str | None, golds: Sequence[str]) -> float:
-    """Token-level F1, max over gold answers (FlashRAG's yes/no/noanswer rule)."""
+    """Token-level F1, max over gold answers (FlashRAG's yes/no/noanswer rule), over the white-space tokens
+    of the forms of :func:`answer_forms` (for a gold that SQuAD empties, the plain tokens: "blood type A+"
+    against `A+` scores 0.5). A blank gold scores 0."""
     if prediction is None:
         return 0.0
-    pred = normalize_answer(prediction)
     best = 0.0
     for gold in golds:
-        ref = normalize_answer(gold)
+        pred, ref, _ = answer_forms(prediction, gold)
         if (pred in _SPECIAL or ref in _SPECIAL) and pred != ref:
             continue
         common = Counter(pred.split()) & Counter(ref.split())

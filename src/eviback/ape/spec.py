@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from eviback.settings import check_setting
 from eviback.types import from_dict, to_dict
 
 SPEC_SCHEMA_VERSION = 1
@@ -286,8 +287,10 @@ class ConstraintSpec:
         return hashlib.sha256(self.canonical_json().encode("utf-8")).hexdigest()
 
 
-def _check_keys(cls: type, data: Any, where: str) -> None:
-    """Refuse keys that are not fields (from_dict would ignore them, and a typo would go unnoticed)."""
+def _check_keys(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """`data` with its values typed: refuse keys that are not fields (from_dict would ignore them, and a typo
+    would go unnoticed) and values not of their field's type (`min_agreement: high` would fail later, in a
+    comparison, without naming the field); convert as `eviback.settings` does (`1e-3` is a number)."""
     if not isinstance(data, dict):
         raise SpecError(f"{where}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -295,15 +298,22 @@ def _check_keys(cls: type, data: Any, where: str) -> None:
     unknown = sorted(set(data) - names)
     if unknown:
         raise SpecError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(names)}")
+    out = dict(data)
     for key, value in data.items():
         tp = hints[key]
-        if dataclasses.is_dataclass(tp) and value is not None:
-            _check_keys(tp, value, f"{where}.{key}")
+        if dataclasses.is_dataclass(tp):
+            if value is not None:
+                out[key] = _check_keys(tp, value, f"{where}.{key}")
+            continue
+        try:
+            out[key] = check_setting(key, value, tp)
+        except ValueError as e:
+            raise SpecError(f"{where}.{key}: {e}") from None
+    return out
 
 
 def spec_from_mapping(data: Any, where: str = "spec") -> ConstraintSpec:
-    data = data or {}
-    _check_keys(ConstraintSpec, data, where)
+    data = _check_keys(ConstraintSpec, data or {}, where)
     try:
         return from_dict(ConstraintSpec, data)
     except SpecError as e:

@@ -3,6 +3,11 @@
   eviback data validate FILE [--corpus] [--skip-bad]   check a QA (or corpus) file, report bad lines
   eviback data convert IN OUT                          QA JSONL <-> Search-R1 parquet (by extension)
   eviback data suite [DIR]                             list a data suite's corpus, train and eval files
+
+`validate` stops at the first malformed line (exit 2) or, with --skip-bad, reports every one (exit 1). It
+also prints a warning, by file and line, for each gold answer that SQuAD normalisation empties (`A+`, `The
+The`, `*`): the file is still valid (exit 0), since the metrics score such a gold in its plain form (`a+`),
+which only the same text matches; but a stray one (`)`, `---`) is a data error to fix at its source.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ HELP = "validate and convert QA / corpus files (FlashRAG JSONL, Search-R1 parque
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    validate = sub.add_parser("validate", help="check a QA file (or a corpus with --corpus)")
+    validate = sub.add_parser("validate", help="check a QA file (or a corpus with --corpus); gold answers that "
+                              "normalise to nothing are warned about by file:line")
     validate.add_argument("path")
     validate.add_argument("--corpus", action="store_true", help="the file is a corpus JSONL")
     validate.add_argument("--skip-bad", action="store_true", help="report every bad line instead of stopping")
@@ -50,5 +56,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(questions)} questions to {args.dst}")
     for message in report.skipped:
         print(f"skipped: {message}")
-    print(f"{report.read} records ok, {len(report.skipped)} skipped")
+    for message in report.warnings:
+        print(f"warning: {message}")
+    warnings = f", {len(report.warnings)} warning(s)" if report.warnings else ""
+    print(f"{report.read} records ok, {len(report.skipped)} skipped{warnings}")
     return 1 if report.skipped and args.data_command == "validate" else 0

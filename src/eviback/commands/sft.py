@@ -58,10 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - a WarmStartConfig
-    import dataclasses
-
-    import yaml
-
+    from eviback.settings import field_types, parse_setting_value
     from eviback.train.sft import WarmStartConfig
 
     values = dict(
@@ -71,13 +68,13 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - a WarmStartCon
         batch_size=args.batch_size, gradient_accumulation=args.grad_accum, dtype=args.dtype, seed=args.seed,
         threads=args.threads, output=args.output, force=args.force, progress=not args.no_progress,
     )
-    names = {f.name for f in dataclasses.fields(WarmStartConfig)}
+    types = field_types(WarmStartConfig)
     for item in args.set:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
-        if not sep or key not in names:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of: {', '.join(sorted(names))}")
-        values[key] = yaml.safe_load(value) if value.strip() else None
+        if not sep or key not in types:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of: {', '.join(sorted(types))}")
+        values[key] = parse_setting_value(key, value, types[key])  # typed: names the setting when wrong
     return WarmStartConfig(**values)
 
 

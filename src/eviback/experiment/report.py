@@ -30,7 +30,7 @@ from eviback.experiment.compare import (
 )
 from eviback.experiment.config import ExperimentConfig
 from eviback.experiment.run import DONE, START, run_dir, start_fingerprint
-from eviback.metrics import normalize_answer
+from eviback.metrics import answer_key
 
 EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
                 ("duplicate_query_rate", "duplicate queries"), ("forced_termination_rate", "forced termination"))
@@ -48,7 +48,7 @@ def _items(directory: Path) -> dict:
 
 
 def _answers(directory: Path) -> dict:
-    return {(r["benchmark"], str(r["id"])): normalize_answer(r["answer"]) if r["answer"] is not None else None
+    return {(r["benchmark"], str(r["id"])): answer_key(r["answer"]) if r["answer"] is not None else None
             for r in _records(directory)}
 
 

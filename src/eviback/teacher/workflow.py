@@ -24,7 +24,7 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from eviback.metrics import f1_score, normalize_answer
+from eviback.metrics import answer_occurs, f1_score
 from eviback.protocol import render_passages
 from eviback.teacher.answers import is_non_answer
 from eviback.teacher.chat import ChatMessage, ChatRequest, ReplySchema, SchemaViolation
@@ -88,13 +88,12 @@ def render_seen(evidence: Sequence[SeenEvidence]) -> str:
 
 
 def answer_in_evidence(answer: str | None, evidence: Sequence[SeenEvidence] | str) -> bool:
-    """Whether the SQuAD-normalised `answer` occurs in the normalised evidence as whole words ("ten" is not
-    found in "often"; "10" is not found in "ten"). An empty answer is never found."""
-    wanted = normalize_answer(answer or "")
-    if not wanted:
-        return False
+    """Whether `answer` occurs in the evidence as whole words, compared as the metrics compare answers
+    (:func:`eviback.metrics.answer_occurs`): "ten" is not found in "often", "10" is not found in "ten", and
+    an answer that SQuAD normalisation empties (`A+`) is looked for in its plain form, never as the empty
+    string. An empty answer is never found."""
     text = evidence if isinstance(evidence, str) else render_seen(evidence)
-    return f" {wanted} " in f" {normalize_answer(text)} "
+    return answer_occurs(answer, text)
 
 
 def answer_grounded(answer: str | None, evidence: Sequence[SeenEvidence] | str) -> bool:

@@ -2,14 +2,15 @@
 
 A run's configuration is resolved in this order, later wins: the dataclass defaults, a preset
 (`eviback`, `grpo`, `dapo`, `f1-fallback`, `eviback-single-prompt`, ...: YAML files next to this module
-holding values only), a user YAML file (`--config`), then `--set key=value` overrides. The resolved
-configuration is written to the run directory as `config.yaml`; a resumed run must match it.
+holding values only), a user YAML file (`--config`), then `--set key=value` overrides. Every value is checked
+against its field's type where it is read (`eviback.settings`): `--set lam=abc` is refused with a message
+naming the setting and the type it takes. The resolved configuration is written to the run directory as
+`config.yaml`; a resumed run must match it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -19,6 +20,7 @@ import yaml
 
 from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig, Mode
+from eviback.settings import check_fields, check_settings, field_types, parse_setting_value
 
 PRESETS_PACKAGE = "eviback.train"
 
@@ -118,6 +120,7 @@ class TrainConfig:
                                     "B may answer (0: the policy's own bound, 8 in the built-ins)"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         Mode(self.mode)  # raises with the valid names
         if self.backend not in ("vllm", "hf"):
             raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
@@ -170,18 +173,20 @@ def load_preset(name: str) -> dict[str, Any]:
 
 
 def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
+    return field_types(TrainConfig)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` with the value parsed as YAML (so `lam=0.5`, `eval_benchmarks=[nq,popqa]` work)."""
+    """`key=value` with the value parsed as YAML (so `lam=0.5`, `eval_benchmarks=[nq,popqa]` work) and checked
+    against the setting's type (:func:`eviback.settings.parse_setting_value`); raises ValueError naming the
+    setting and the type it takes."""
     if "=" not in text:
         raise ValueError(f"override {text!r} is not key=value")
     key, value = text.split("=", 1)
     key = key.strip().replace("-", "_")
     if key not in _field_types():
         raise ValueError(f"unknown setting {key!r}; see `eviback train --help-config`")
-    return key, yaml.safe_load(value) if value.strip() else None
+    return key, parse_setting_value(key, value, _field_types()[key])
 
 
 def resolve_config(
@@ -189,12 +194,12 @@ def resolve_config(
 ) -> TrainConfig:
     values: dict[str, Any] = {}
     if preset:
-        values.update(load_preset(preset))
+        values.update(check_settings(TrainConfig, load_preset(preset), f"preset {preset!r}"))
     if config_file:
         loaded = yaml.safe_load(Path(config_file).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{config_file}: expected a mapping of settings")
-        values.update(loaded)
+        values.update(check_settings(TrainConfig, loaded, str(config_file)))
     for item in overrides or []:
         key, value = parse_override(item)
         values[key] = value

@@ -37,6 +37,7 @@ from typing import Any
 from eviback import dtype as dtypes
 from eviback.data import DataSuite, load_suite
 from eviback.policy import DEFAULT_MODEL, cache_dir, file_lock, load_tokenizer, resolve_model, set_threads
+from eviback.settings import check_fields
 from eviback.train import warmstart_data as wsd
 from eviback.train.gauges import peak_rss_gb
 from eviback.types import to_dict
@@ -93,6 +94,7 @@ class WarmStartConfig:
     progress: bool = field(default=True, metadata={"help": "show progress bars (not in the key)"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("max_examples", "topk", "max_obs_tokens", "batch_size", "gradient_accumulation",
                      "logging_steps"):
             if getattr(self, name) < 1:
