@@ -93,6 +93,7 @@ def convert_bundled(name: str, dtype: str = dtypes.AUTO) -> Path:
             str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)
         )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _declare_gguf_special_tokens(tokenizer, gguf)
         # A GGUF-loaded model refuses save_pretrained ("quantized with gguf ... not serializable") until
         # the quantisation markers are removed; its weights are already dequantised to `dtype`.
         model.hf_quantizer = None
@@ -105,6 +106,35 @@ def convert_bundled(name: str, dtype: str = dtypes.AUTO) -> Path:
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
     return target
+
+
+GGUF_SPECIAL_TOKENS = {"eos_token": "tokenizer.ggml.eos_token_id", "bos_token": "tokenizer.ggml.bos_token_id",
+                       "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
+    """The special token ids a GGUF file declares ({"eos_token": 2, ...}; absent ones left out)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    found = {}
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            found[name] = int(field.parts[field.data[0]][0])
+    return found
+
+
+def _declare_gguf_special_tokens(tokenizer, gguf: Path) -> None:  # noqa: ANN001 - a transformers tokenizer
+    """Set the tokenizer's eos/bos/pad to the ids the GGUF file declares. transformers 5.17 converts
+    SmolLM2's GGUF tokenizer with eos `<|im_start|>` (id 1) although the file says 2 (`<|im_end|>`, the
+    token the model ends a turn with, and 5.19's conversion): generation would then never see an EOS."""
+    for name, token_id in gguf_special_token_ids(gguf).items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is not None and getattr(tokenizer, name) != token:
+            log.info("%s: %s is %r (id %d) as the GGUF file declares, not %r", gguf.name, name, token, token_id,
+                     getattr(tokenizer, name))
+            setattr(tokenizer, name, token)
 
 
 def set_threads(threads: int | None) -> None:

