@@ -15,6 +15,12 @@
 
 The demo's settings are the `demo` preset (`eviback train --help-config` explains each); `--set` changes
 any of them.
+
+Sized by what the CPU computes natively: the preset fits about 20 minutes on a CPU with native bf16
+(AVX512-BF16 or AMX). On a CPU without it (AVX2 only, like most laptops) `dtype: auto` computes in fp32,
+which measured about half as fast for the warm start (82 against 176 tokens/s, results/precision.md), so
+the demo trains on fewer warm-start examples and runs fewer steps there (:data:`NO_NATIVE_BF16`), says so
+before it starts, and `--full` keeps the preset's sizes. A setting given with `--set` is never changed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,28 @@ from pathlib import Path
 
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
 
+# The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16): about the preset's minutes
+# at the fp32 rates measured on an AVX2-only CPU (warm start 82 tokens/s against 176 with native bf16).
+NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 3}
+
+
+def size_for_this_machine(config, choice, given: set[str]):  # noqa: ANN001, ANN201 - TrainConfig, DtypeChoice
+    """(config, message): the demo's config sized for this machine, and one plain sentence saying what was
+    changed and why (None when nothing was). Pure: `choice` is the `eviback.dtype` decision, `given` the
+    settings the user set explicitly (never changed)."""
+    import dataclasses
+
+    if config.dtype != "auto" or choice.device != "cpu" or choice.dtype != "float32":
+        return config, None
+    changes = {k: v for k, v in NO_NATIVE_BF16.items() if k not in given and getattr(config, k) > v}
+    if not changes:
+        return config, None
+    before = ", ".join(f"{k} {getattr(config, k)} -> {v}" for k, v in changes.items())
+    message = (f"this CPU computes bf16 slowly ({choice.reason}), so the demo computes in float32, about half "
+               f"as fast as on the bf16 CPUs it was sized for; to stay near its 20-25 minutes it does less work: "
+               f"{before} (eviback demo --full keeps the preset's sizes)")
+    return dataclasses.replace(config, **changes), message
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="runs/demo", help="run directory (replaced on each demo run)")
@@ -32,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting of the demo preset, e.g. --set backend=hf")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted demo instead of restarting")
+    parser.add_argument("--full", action="store_true", help="keep the preset's sizes on a CPU without native bf16 "
+                        "too (by default the demo trains less there: about twice as slow in fp32)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
     config = resolve_config("demo", None, overrides)
+    if not args.full:
+        from eviback.dtype import choose
+
+        given = {item.split("=", 1)[0].strip() for item in overrides}
+        config, sized = size_for_this_machine(config, choose(config.dtype), given)
+        if sized:
+            print(f"eviback demo: {sized}", flush=True)
     if teacher_is_oracle(config):
         raise ValueError(f"the demo refuses the oracle teacher {config.teacher!r}: it reads the gold answers to "
                          f"decide the status, a ceiling for experiments, never the demo's teacher. Measure it with "
