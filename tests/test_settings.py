@@ -106,7 +106,8 @@ def no_training(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a bad setting must stop the command before it trains")
 
-    monkeypatch.setitem(sys.modules, "eviback.train.runner", types.SimpleNamespace(run_training=refuse))
+    monkeypatch.setitem(sys.modules, "eviback.train.runner",
+                        types.SimpleNamespace(run_training=refuse, teacher_is_oracle=refuse))
 
 
 @pytest.mark.parametrize(("argv", "message"), [

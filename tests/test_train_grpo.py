@@ -173,8 +173,9 @@ def test_grpo_mode_gives_all_zero_groups_nothing(three_steps):
 
 def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_path):
     """After a real optimiser step and the weight push, the engine samples from the updated policy: its
-    sampled-token log-probabilities match a forward pass of the trainer's model (in the engine's dtype,
-    bf16, as the trainer holds it: fp32 masters, bf16 model), and no longer match the old policy."""
+    sampled-token log-probabilities match a forward pass of the trainer's model (in the engine's dtype: bf16
+    where `auto` chose it, as the trainer holds it there: fp32 masters, bf16 model; fp32 elsewhere), and no
+    longer match the old policy."""
     from transformers import AutoModelForCausalLM
 
     from eviback.policy import load_tokenizer, resolve_model
@@ -187,9 +188,11 @@ def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_pat
     prompt = tokenizer(apply_chat_template(tokenizer, "who wrote hamlet"), add_special_tokens=False)["input_ids"]
     params = SamplingConfig(max_tokens=24, temperature=1.0, stop=())
 
+    engine_dtype = getattr(torch, vllm_backend.config.dtype)  # `auto` as resolved on this machine
+
     def forward_logprobs(state, ids):  # noqa: ANN001, ANN202
-        """Sampled-token log-probabilities under `state` rounded to bf16 (computed in fp32)."""
-        model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
+        """Sampled-token log-probabilities under `state` rounded to the engine's dtype (computed in fp32)."""
+        model.load_state_dict({k: v.to(engine_dtype).float() for k, v in state.items()})
         with torch.no_grad():
             logits = model(torch.tensor([prompt + list(ids)])).logits[0, len(prompt) - 1:-1].float()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)

@@ -66,10 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from eviback.train.config import resolve_config
-    from eviback.train.runner import run_training, teacher_is_oracle
 
     overrides = list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
-    config = resolve_config("demo", None, overrides)
+    config = resolve_config("demo", None, overrides)  # a bad setting stops here, before anything heavy loads
+    from eviback.train.runner import run_training, teacher_is_oracle
+
     if not args.full:
         from eviback.dtype import choose
 

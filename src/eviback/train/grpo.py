@@ -385,6 +385,22 @@ class EviBackTrainer(GRPOTrainer):
             save_model(self.master, os.path.join(folder, MASTER_WEIGHTS))
         super()._save_checkpoint(model, trial)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # transformers loads a multi-process run's optimizer state with `map_location=args.device`, which on
+        # CPU is `cpu:0`, a location torch.load cannot restore to ("don't know how to restore data location
+        # ... cpu:0"): an fp32 run of several CPU processes failed to resume (tests/test_train_multiprocess.py
+        # with dtype float32, what `auto` picks on a CPU without native bf16). CPU state loads onto "cpu".
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        optimizer_file = os.path.join(checkpoint or "", OPTIMIZER_NAME)
+        scheduler_file = os.path.join(checkpoint or "", SCHEDULER_NAME)
+        if (checkpoint is None or self.args.device.type != "cpu" or self.args.world_size <= 1
+                or self.is_deepspeed_enabled or self.is_fsdp_enabled
+                or not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file))):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, map_location="cpu", weights_only=True))
+
     # ---- fast update (eviback.train.update): TRL's log-probability passes without padding
     #
     # TRL scores each micro-batch padded to the generation batch's longest prompt and completion and, on CPU,
