@@ -122,6 +122,7 @@ def test_the_demo_does_less_work_where_auto_falls_back_to_fp32():
     sized, message = size_for_this_machine(preset, slow, set())
     assert sized.warm_start_examples == NO_NATIVE_BF16["warm_start_examples"] < preset.warm_start_examples
     assert sized.max_steps == NO_NATIVE_BF16["max_steps"] < preset.max_steps
+    assert sized.eval_limit == NO_NATIVE_BF16["eval_limit"] < preset.eval_limit
     assert "float32" in message and f"warm_start_examples {preset.warm_start_examples} -> 60" in message
     assert "--full" in message
     kept, message = size_for_this_machine(preset, slow, {"warm_start_examples"})

@@ -31,9 +31,10 @@ from pathlib import Path
 
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
 
-# The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16): about the preset's minutes
-# at the fp32 rates measured on an AVX2-only CPU (warm start 82 tokens/s against 176 with native bf16).
-NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 3}
+# The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16), from the phases of a
+# `make demo` measured as on an AVX2-only CPU (results/precision.md): warm start 85 tokens/s (176 with native
+# bf16), an EviBack step 75-100 s, held-out evaluation 3 s a question (run twice: the start and the result).
+NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 3, "eval_limit": 20}
 
 
 def size_for_this_machine(config, choice, given: set[str]):  # noqa: ANN001, ANN201 - TrainConfig, DtypeChoice
