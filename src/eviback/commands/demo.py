@@ -18,7 +18,7 @@ any of them.
 
 Sized by what the CPU computes natively: the preset fits about 20 minutes on a CPU with native bf16
 (AVX512-BF16 or AMX). On a CPU without it (AVX2 only, like most laptops) `dtype: auto` computes in fp32,
-which measured about half as fast for the warm start (82 against 176 tokens/s, results/precision.md), so
+which measured about half as fast for the warm start (85 against 176 tokens/s, results/precision.md), so
 the demo trains on fewer warm-start examples and runs fewer steps there (:data:`NO_NATIVE_BF16`), says so
 before it starts, and `--full` keeps the preset's sizes. A setting given with `--set` is never changed.
 """
