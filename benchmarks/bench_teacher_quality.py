@@ -51,11 +51,11 @@ import numpy as np  # noqa: E402
 from teacher_backends import add_backend_arguments, open_backend  # noqa: E402
 
 from eviback.data import load_suite, read_questions  # noqa: E402
-from eviback.teacher.evidence_judge import JudgeExample  # noqa: E402
 from eviback.teacher.judge import JudgeConfig, Teacher, read_trajectories  # noqa: E402
 from eviback.teacher.labels import agreement, trajectory_label  # noqa: E402
 from eviback.teacher.policy import TeacherPolicy, load_policy  # noqa: E402
 from eviback.teacher.workflow import evidence_as_seen, render_seen  # noqa: E402
+from eviback.train.judge_builder import JudgeExample  # noqa: E402
 from eviback.types import Status, Trajectory, to_dict  # noqa: E402
 
 HELDOUT = ("nq", "popqa", "hotpotqa", "2wikimultihopqa", "musique")
@@ -82,8 +82,8 @@ def items(args: argparse.Namespace) -> list[tuple[str, object]]:
     """(source, trajectory) of every held-out evidence item, rollouts first."""
     from eviback.policy import load_tokenizer
     from eviback.retrieval import suite_retriever
-    from eviback.teacher.evidence_judge import seen_trajectory
     from eviback.teacher.workflow import answer_in_evidence
+    from eviback.train.judge_builder import seen_trajectory
     from eviback.train.warmstart_data import retry_query, search_query, training_files
 
     suite = load_suite()
@@ -204,9 +204,9 @@ class FrozenFeatures:
 
 def probe_training(args: argparse.Namespace) -> tuple[list[JudgeExample], dict[str, Any]]:
     """Up to `--probe-train-per-label` examples per label (seeded) of the suite's training questions."""
-    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_examples
+    from eviback.train.judge_builder import EvidenceJudgeConfig, build_examples
 
-    config = EvidenceJudgeConfig(heldout_share=0.0, max_questions=args.probe_max_questions, topk=args.topk,
+    config = EvidenceJudgeConfig(unit="evidence", heldout_share=0.0, max_questions=args.probe_max_questions, topk=args.topk,
                                  max_obs_tokens=args.max_obs_tokens, seed=args.seed)
     examples, _, counts = build_examples(config, progress=lambda line: print(f"probe: {line}", flush=True))
     rng = random.Random(args.seed)
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                  "rollout_labels": dict(Counter(x[2].value for x in pool if x[0] == "rollout"))},
         "policies": [],
     }
-    summary = ("policy", "n", "balanced_accuracy", "s_vs_i_balanced_accuracy", "kappa", "seconds_per_item")
+    summary = ("policy", "n", "gate_balanced_accuracy", "balanced_accuracy", "s_vs_i_balanced_accuracy", "kappa",
+               "seconds_per_item")
     if args.policies:
         with open_backend(args) as client:
             for ref in args.policies:

@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unseen-by-judge", type=Path, metavar="JUDGE_DIR",
                         help="train groups only on the training questions this evidence judge held out of its "
                              "training (read from its judge.json), so that measuring it on them is fair")
+    parser.add_argument("--judge-split", choices=("heldout", "train"),
+                        help="train groups only on the training questions a judge built with --judge-share and "
+                             "--judge-seed holds out (heldout) or trains on (train); the judge need not exist yet")
+    parser.add_argument("--judge-share", type=float, default=0.15, help="the judge build's heldout_share")
+    parser.add_argument("--judge-seed", type=int, default=0, help="the judge build's seed")
+    parser.add_argument("--skip-questions", type=int, default=0,
+                        help="leave out the first N questions of the seeded order (a second batch of groups)")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="data suite: its training and evaluation files and its corpus (default: the embedded one)")
     parser.add_argument("--out", type=Path, required=True)
@@ -61,12 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     train = read_training_questions(suite)  # a question also in an evaluation file is left out, with a warning
     if args.unseen_by_judge:
-        from eviback.teacher.evidence_judge import JUDGE_FILE, is_heldout
+        from eviback.teacher.evidence_judge import JUDGE_FILE
+        from eviback.train.judge_builder import is_heldout
 
         built = json.loads((args.unseen_by_judge / JUDGE_FILE).read_text())["config"]
         train = [q for q in train if is_heldout(q.id, built["heldout_share"], built["seed"])]
+    elif args.judge_split:
+        from eviback.train.judge_builder import is_heldout
+
+        held = args.judge_split == "heldout"
+        train = [q for q in train if is_heldout(q.id, args.judge_share, args.judge_seed) is held]
     rng.shuffle(train)
-    train = train[: args.train_questions]
+    train = train[args.skip_questions: args.skip_questions + args.train_questions]
     heldout = []
     for name in HELDOUT:
         questions = [q for q in read_questions(suite.eval[name]) if q.gold_passage_ids]

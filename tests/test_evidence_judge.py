@@ -8,16 +8,10 @@ import pytest
 
 from eviback.cli import main
 from eviback.data import write_jsonl
-from eviback.teacher.evidence_judge import (
-    EvidenceJudgeConfig,
-    build_examples,
-    build_judge,
-    judge_policy,
-    load_judge,
-    open_classifier,
-)
+from eviback.teacher.evidence_judge import judge_policy, load_judge, open_classifier
 from eviback.teacher.policy import CLASSIFIER_PREFIX, PolicyError, load_policy
 from eviback.teacher.probes import build_probes
+from eviback.train.judge_builder import EvidenceJudgeConfig, build_examples, build_judge
 from eviback.types import Status, to_dict
 from teacher_fakes import Fault, FaultyChatServer
 
@@ -94,7 +88,7 @@ def test_a_judge_changed_after_its_build_is_refused(judge, tmp_path):
 
 def test_the_build_uses_single_passages_and_balances_each_kind_of_question(judge):
     counts = json.loads((judge.path / "judge.json").read_text())["counts"]
-    assert counts["by_source"].get("passage", 0) > 0
+    assert counts["train_by_source"].get("passage", 0) > 0
     for kind, labels in counts["train_balanced_by_kind"].items():
         if labels:  # within a kind, no label exceeds 1.5 x the rarest
             assert max(labels.values()) <= int(min(labels.values()) * 1.5), kind

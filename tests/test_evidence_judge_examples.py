@@ -4,7 +4,7 @@ test_evidence_judge.py)."""
 import random
 from collections import Counter
 
-from eviback.teacher.evidence_judge import JudgeExample, balance, length_batches
+from eviback.train.judge_builder import JudgeExample, balance, length_batches
 from eviback.types import Status
 
 S, A, NO = Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT
@@ -41,7 +41,7 @@ def test_length_batches_cover_the_epoch_once_with_similar_lengths():
 def test_the_build_key_names_the_base_model_by_content_not_by_location(tmp_path):
     """A judge cached by one checkout is reused by another whose environment installs the same base model
     elsewhere; other weights give another key."""
-    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_key
+    from eviback.train.judge_builder import EvidenceJudgeConfig, build_key
 
     examples = [JudgeExample("q1", "q", "e", S, "search")]
     keys = []
@@ -57,7 +57,7 @@ def test_the_build_key_names_the_base_model_by_content_not_by_location(tmp_path)
 def test_the_build_key_takes_numbers_by_value_not_by_type(tmp_path):
     """`judge_epochs: 2` in a training config and `--epochs 2` on the command line (2.0) are the same build:
     the cached judge is reused, not rebuilt under another key."""
-    from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_key
+    from eviback.train.judge_builder import EvidenceJudgeConfig, build_key
 
     base = tmp_path / "model"
     base.mkdir()

@@ -3,7 +3,7 @@
 import pytest
 
 from eviback.protocol import render_observation
-from eviback.teacher.labels import agreement, evidence_label, trajectory_label
+from eviback.teacher.labels import agreement, evidence_label, passage_label, trajectory_label
 from eviback.teacher.workflow import SeenEvidence
 from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
 
@@ -67,3 +67,39 @@ def test_agreement_figures():
     assert mixed.s_vs_i_balanced_accuracy == pytest.approx(0.75) and mixed.kappa == pytest.approx(0.5)
     with pytest.raises(ValueError):
         agreement([S], [])
+
+
+def test_the_gate_metric_scores_i_against_not_i():
+    """Stage A is a gate: A opens Stage B as S does. "S vs I" counted a predicted A on I evidence as a correct
+    rejection; the gate metric does not."""
+    labels = [S, S, A, A, I, I]
+    never_closes = agreement(labels, [S, S, A, A, A, A])
+    assert never_closes.s_vs_i_balanced_accuracy == 1.0  # the old figure: A on I is "not S", so it looks perfect
+    assert never_closes.gate_balanced_accuracy == 0.5  # but it never closes the gate
+    assert agreement(labels, [S, A, S, A, I, I]).gate_balanced_accuracy == 1.0  # S/A confusions do not matter
+    assert agreement(labels, [I, S, S, S, I, S]).gate_balanced_accuracy == pytest.approx((3 / 4 + 1 / 2) / 2)
+    assert agreement([S, S], [S, I]).gate_balanced_accuracy is None  # no I label: undefined, not 0 or 1
+
+
+@pytest.mark.parametrize("question, text, pid, label", [
+    (NQ, "Doc 1(Title: \"X-ray\") X-rays were discovered by Wilhelm Conrad Röntgen in 1895.", None, S),
+    (NQ, "Doc 2(Title: \"X-ray\") X-rays were discovered by Wilhelm Conrad", None, I),  # cut before the answer
+    (POPQA, "Doc 1(Title: \"Marie Curie\") Marie Curie was born in Warsaw.", "curie", I),  # single-hop: no A
+    (HOTPOT, "Doc 1(Title: \"B\") he later formed The Exies.", "11", S),
+    (HOTPOT, "Doc 1(Title: \"A\") Hash Pipe is a song by Weezer.", "10", A),  # support without the answer
+    (HOTPOT, "Doc 1(Title: \"Z\") nothing relevant", "99", I),
+    (YES_NO, "Doc 1(Title: \"Sutera\") Sutera is a genus of ... no ...", "4147", A),  # yes/no: never S
+    (YES_NO, "Doc 1(Title: \"Elm\") no shrub here", "1", I),
+])
+def test_passage_label(question, text, pid, label):
+    assert passage_label(question, text, pid) is label
+
+
+def test_the_evidence_is_i_exactly_when_every_passage_is_i():
+    blocks = ["Doc 1(Title: \"X-ray\") Rays of short wavelength.",
+              "Doc 2(Title: \"Röntgen\") Wilhelm Conrad Röntgen discovered them in 1895."]
+    for chosen in ([blocks[0]], [blocks[1]], blocks):
+        text = "\n".join(chosen)
+        whole = evidence_label(NQ, [seen(text)])
+        parts = [passage_label(NQ, b) for b in chosen]
+        assert (whole is I) == all(p is I for p in parts)

@@ -9,6 +9,7 @@ import yaml
 
 from eviback.teacher import evidence_judge, load_policy
 from eviback.teacher.evidence_judge import judge_policy
+from eviback.train import judge_builder
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 from eviback.train.runner import teacher_policy
@@ -23,7 +24,7 @@ def built(monkeypatch):
     def build_judge(config):  # stands in for the build, tested end to end in test_evidence_judge.py
         asked.append(config)
         return evidence_judge.EvidenceJudge(Path("/judges/j"), SHA, Path("/judges/j/policy.json"))
-    monkeypatch.setattr(evidence_judge, "build_judge", build_judge)
+    monkeypatch.setattr(judge_builder, "build_judge", build_judge)
     return asked
 
 

