@@ -32,6 +32,10 @@ def test_the_build_writes_a_judge_and_a_frozen_policy_that_names_it(judge):
     assert set(doc["counts"]["train_balanced"]) >= {"S", "I"}
     policy = load_policy(str(judge.policy_path))
     assert policy.status_stage.backend == CLASSIFIER_PREFIX + judge.sha256 and not policy.boundary_violations()
+    extractive = load_policy(str(judge.path / "policy-extractive.json"))  # what a local teacher trains with
+    assert extractive.name == "two-stage-extractive-judge" and not extractive.needs_llm
+    assert extractive.status_stage.backend == CLASSIFIER_PREFIX + judge.sha256
+    assert doc["unit"] == "passage" and set(doc["heldout"]) >= {"gate_balanced_accuracy", "by_source"}
     assert policy.stages[1] == load_policy("two-stage").stages[1] and policy.grounded_answer
     assert judge_policy("0" * 64).version != policy.version  # the judge's hash is part of the version
     # the same inputs reuse the built judge

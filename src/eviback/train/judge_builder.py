@@ -63,13 +63,15 @@ from eviback.teacher.evidence_judge import (
     split_passages,
 )
 from eviback.teacher.labels import agreement, evidence_label, is_multi_hop, passage_label
-from eviback.teacher.policy import freeze_policy
+from eviback.teacher.policy import freeze_policy, load_policy
 from eviback.teacher.workflow import SeenEvidence, evidence_as_seen, render_seen
 from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
 
 log = logging.getLogger(__name__)
 
 BUILDER_VERSION = 3  # bumped when the examples or the training change, so cached judges are rebuilt
+# beside policy.json (Stage B the teacher's LLM): the policy a local teacher trains with (Stage B extractive)
+EXTRACTIVE_POLICY_FILE = "policy-extractive.json"
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -513,6 +515,8 @@ def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable
         doc.update(sha256=sha, heldout=figures, build_seconds=round(time.perf_counter() - start, 1))
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
         freeze_policy(judge_policy(sha), tmp / POLICY_FILE, {"evidence_judge": sha, "judge_key": key})
+        freeze_policy(judge_policy(sha, base=load_policy("two-stage-extractive")), tmp / EXTRACTIVE_POLICY_FILE,
+                      {"evidence_judge": sha, "judge_key": key})
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
