@@ -96,12 +96,13 @@ class EvalItem:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> EvalItem:
+        trajectory = from_dict(Trajectory, obj["trajectory"])
         return cls(
             benchmark=obj["benchmark"],
-            trajectory=from_dict(Trajectory, obj["trajectory"]),
+            trajectory=trajectory,
             scores=AnswerScores(em=obj["em"], f1=obj["f1"], sub_em=obj["sub_em"]),
-            stats=TrajectoryStats(valid_answer=obj["valid_answer"], searches=obj["searches"],
-                                  duplicate_searches=obj["duplicate_searches"], forced=obj["forced"]),
+            # recomputed, not read: a record written under older definitions reads as the current ones
+            stats=trajectory_stats(trajectory),
         )
 
 
@@ -208,6 +209,8 @@ def summarize(items: Iterable[EvalItem], order: Sequence[str] | None = None) -> 
 
 
 METRIC_COLUMNS = ("n", "EM", "F1", "sub-EM", "valid answer", "avg searches", "duplicate queries", "forced")
+METRIC_NOTE = ("valid answer: a parseable answer with a letter or digit; forced: cut at the turn limit "
+               "(a rollout cut by the context budget, or answering nothing, is neither)")
 
 
 def summary_rows(summary: EvalSummary) -> list[tuple[str, RolloutMetrics]]:
@@ -244,6 +247,7 @@ def comparison_markdown(summaries: Mapping[str, EvalSummary], title: str = "") -
         for policy, rows in per_policy.items():
             cells = _cells(rows[i][1])
             lines.append(f"| {label} | " + (f"{policy} | " if named else "") + " | ".join(cells) + " |\n")
+    lines.append(f"\n{METRIC_NOTE}.\n")
     return "".join(lines)
 
 
