@@ -39,6 +39,7 @@ from eviback.metrics import (
 )
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.templates import render
 from eviback.types import Question, Trajectory, from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -252,21 +253,11 @@ def comparison_markdown(summaries: Mapping[str, EvalSummary], title: str = "") -
 
 
 def comparison_html(summaries: Mapping[str, EvalSummary]) -> str:
-    """The same table as :func:`comparison_markdown`, as an HTML table."""
-    import html
-
-    named = len(summaries) > 1
+    """The same table as :func:`comparison_markdown`, as an HTML fragment (templates/eval_table.html.j2)."""
     per_policy = {name: summary_rows(s) for name, s in summaries.items()}
-    head = "<tr><th>benchmark</th>" + ("<th>policy</th>" if named else "") + "".join(
-        f"<th>{html.escape(c)}</th>" for c in METRIC_COLUMNS) + "</tr>"
-    body = []
-    for i, (row_name, _) in enumerate(next(iter(per_policy.values()))):
-        for policy, rows in per_policy.items():
-            style = " style='font-weight:bold'" if "macro" in row_name else ""
-            body.append(f"<tr{style}><td>{html.escape(row_name)}</td>"
-                        + (f"<td>{html.escape(policy)}</td>" if named else "")
-                        + "".join(f"<td style='text-align:right'>{c}</td>" for c in _cells(rows[i][1])) + "</tr>")
-    return "<table>" + head + "".join(body) + "</table>"
+    rows = [{"name": row_name, "policy": policy, "bold": "macro" in row_name, "cells": _cells(rows[i][1])}
+            for i, (row_name, _) in enumerate(next(iter(per_policy.values()))) for policy, rows in per_policy.items()]
+    return render("eval_table.html.j2", named=len(summaries) > 1, columns=METRIC_COLUMNS, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------------
