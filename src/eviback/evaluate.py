@@ -30,6 +30,7 @@ from eviback import dtype as dtypes
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
 from eviback.generation.base import GenerationBackend
 from eviback.metrics import (
+    METRIC_NOTE,
     AnswerScores,
     RolloutMetrics,
     TrajectoryStats,
@@ -210,8 +211,6 @@ def summarize(items: Iterable[EvalItem], order: Sequence[str] | None = None) -> 
 
 
 METRIC_COLUMNS = ("n", "EM", "F1", "sub-EM", "valid answer", "avg searches", "duplicate queries", "forced")
-METRIC_NOTE = ("valid answer: a parseable answer with a letter or digit; forced: cut at the turn limit "
-               "(a rollout cut by the context budget, or answering nothing, is neither)")
 
 
 def summary_rows(summary: EvalSummary) -> list[tuple[str, RolloutMetrics]]:

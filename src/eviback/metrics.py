@@ -157,6 +157,11 @@ class TrajectoryStats:
     forced: bool
 
 
+# What the two answering rates mean, for every table that shows them.
+METRIC_NOTE = ("valid answer: a parseable answer with a letter or digit; forced: cut at the turn limit "
+               "(a rollout cut by the context budget, or answering nothing, is neither)")
+
+
 def is_valid_answer(answer: str | None) -> bool:
     """A parsed answer that says something: not None, with at least one letter or digit."""
     return answer is not None and any(ch.isalnum() for ch in answer)

@@ -29,7 +29,7 @@ from eviback.experiment.compare import (
 )
 from eviback.experiment.config import ExperimentConfig
 from eviback.experiment.run import DONE, START, run_dir, start_fingerprint
-from eviback.metrics import answer_key
+from eviback.metrics import METRIC_NOTE, answer_key
 from eviback.templates import render
 
 EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
@@ -258,7 +258,7 @@ def start_line(result: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Experiment {result['experiment']}: {result['steps']} steps per run, baseline "
-             f"{result['baseline']}", "", start_line(result), ""]
+             f"{result['baseline']}", "", start_line(result), "", METRIC_NOTE.capitalize() + ".", ""]
     for title, header, rows in _tables(result):
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
@@ -296,7 +296,8 @@ def page(result: dict[str, Any], png: Path) -> str:
     """The comparison as one HTML page, the figure inlined (templates/experiment.html.j2)."""
     tables = [{"title": title, "header": header, "rows": rows} for title, header, rows in _tables(result)]
     return render("experiment.html.j2", experiment=result["experiment"], steps=result["steps"],
-                  start_line=start_line(result), tables=tables, smoothing=SMOOTHING,
+                  start_line=start_line(result), note=METRIC_NOTE.capitalize() + ".", tables=tables,
+                  smoothing=SMOOTHING,
                   image=base64.b64encode(png.read_bytes()).decode())
 
 
