@@ -17,8 +17,17 @@ the policy's "old" log-probabilities of the whole batch for the behaviour correc
 variants take them from the loss pass instead, `EviBackTrainer.defer_old_logps`), the reference model's
 log-probabilities of the whole batch (no grad), then per micro-batch the policy's forward (log-probs, loss) and backward, then gradient clipping
 and the optimiser step. Plain and fast repetitions alternate; the bf16 matmul peak (2048 x 2048) is measured
-before each pair. FLOPs = 6 x parameters x trained tokens + 2 x parameters x reference tokens, counting real
-(non-padding) tokens only, the same for every variant; roofline share = FLOPs / (seconds x peak).
+before each pair. FLOPs count what each variant runs (:func:`flops_run`): 2 x decoder parameters per token
+through the decoder and 2 x LM-head parameters per position through the LM head, for a forward; three
+times that for a forward with its backward; the decoder's tokens include the padding each path runs (TRL's
+full-width batches; the fast path's length buckets), and the LM head runs on every position TRL keeps but
+only on the scored positions in the fast path. The old-log-prob pass counts where it runs (TRL's path).
+roofline share = FLOPs / (seconds x peak). The useful FLOPs, the same for every variant, count the real
+tokens through the decoder and the scored positions through the LM head, once per reference pass and once
+per trained pass: padding and positions nobody scores are work a path does, not work the update needs.
+
+`--recount FILE` recomputes the FLOPs and roofline shares of a written JSON (its batch is rebuilt from the
+recorded groups and step; no model is run) into FILE_recounted.json.
 
 It also checks, before timing, that the fast path gives the plain path's loss and gradients on this batch.
 
@@ -162,6 +171,51 @@ def generation_batch(rows: list[Row], pad: int) -> dict[str, torch.Tensor]:
             "completion_mask": completion_mask, "tool_mask": tool_mask,
             "advantages": torch.tensor([r.advantage for r in rows]),
             "num_items_in_batch": (completion_mask * tool_mask).sum()}
+
+
+def head_parameters(model_path: str | Path) -> tuple[int, bool]:
+    """(vocabulary x hidden size, whether the input embeddings are tied to the LM head), from the config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return config.vocab_size * config.hidden_size, bool(getattr(config, "tie_word_embeddings", False))
+
+
+def flops_run(batch: dict[str, torch.Tensor], parameters: int, head: int, tied: bool, *, fast: bool,
+              old_pass: bool, parts: int, seed: int, max_padding: float = 0.2, token_budget: int = 16384) -> dict:
+    """The FLOPs of one update as the variant runs it (see the module doc). `parameters`: the model's
+    parameter count; `head`: its LM head's (vocabulary x hidden); the input embedding (a lookup) costs
+    nothing. Returns the FLOPs and the tokens and positions they were counted on."""
+    from eviback.train.update import length_buckets, score_plan
+
+    decoder = parameters - head * (1 if tied else 2)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].shape[1]
+    score = batch["completion_mask"] * batch["tool_mask"]
+
+    def one_pass(rows: torch.Tensor) -> tuple[int, int]:
+        """(tokens through the decoder, positions through the LM head) of one pass over `rows`."""
+        if not fast:  # TRL: full-width rows; the head on the last `keep + 1` positions of each
+            return int(rows.numel()) * ids.shape[1], int(rows.numel()) * (keep + 1)
+        plan = score_plan(attention[rows], keep, score[rows])
+        lengths = [end - start for _, start, end in plan.rows]
+        buckets = length_buckets(lengths, token_budget=token_budget, max_padding=max_padding)
+        return sum(lengths[b[0]] * len(b) for b in buckets), plan.tokens
+
+    everything = torch.arange(ids.shape[0])
+    no_grad = [one_pass(everything)] * (2 if old_pass else 1)  # reference (and TRL's old log-probs)
+    n = ids.shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))  # as micro_batches() splits
+    trained = [one_pass(order[i * (n // parts):(i + 1) * (n // parts)]) for i in range(parts)]
+    flops = sum(2 * (decoder * t + head * h) for t, h in no_grad) + sum(6 * (decoder * t + head * h)
+                                                                          for t, h in trained)
+    # the work every variant must do: real tokens through the decoder, scored positions through the head
+    real, scored = int(attention.sum()), score_plan(attention, keep, score).tokens
+    useful = 8 * (decoder * real + head * scored)
+    return {"flops": flops, "flops_useful": useful, "decoder_tokens_no_grad": sum(t for t, _ in no_grad),
+            "head_positions_no_grad": sum(h for _, h in no_grad),
+            "decoder_tokens_trained": sum(t for t, _ in trained), "head_positions_trained": sum(h for _, h in trained)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,6 +449,52 @@ def head_microbench(trainer, model, batch, reps: int) -> dict:  # noqa: ANN001
     return out
 
 
+def variant_flops(batch: dict[str, torch.Tensor], parameters: int, head: int, tied: bool, variant: str,
+                  parts: int, seed: int) -> dict:
+    fast, max_padding, _ = VARIANTS[variant]
+    return flops_run(batch, parameters, head, tied, fast=fast, old_pass=not fast, parts=parts, seed=seed,
+                     max_padding=max_padding)
+
+
+def recount(path: Path, model: str, max_obs_tokens: int) -> Path:
+    """FLOPs and roofline shares of a written JSON, counted as the variants run (its batch rebuilt from the
+    recorded groups and step; the old-log-prob pass counted where the JSON timed one, or, in a JSON from
+    before that pass was timed, not at all). Written beside it as <name>_recounted.json."""
+    from eviback.policy import load_tokenizer, resolve_model
+
+    result = json.loads(path.read_text())
+    shape = result["batch"]
+    model_path = resolve_model(model, "float32")
+    tokenizer = load_tokenizer(model_path)
+    step, rows = rows_from_groups(Path(shape["groups"]), shape["step"], tokenizer, max_obs_tokens)
+    assert step == shape["step"] and sum(len(r.prompt) + len(r.completion) for r in rows) == shape["real_tokens"]
+    batch = generation_batch(rows, tokenizer.pad_token_id)
+    head, tied = head_parameters(model_path)
+    params, parts = shape["parameters"], shape["questions_per_step"]
+    recounted = {"source": str(path), "flops_as_written": shape["flops"], "reps": []}
+    for i, rep in enumerate(result.get("reps", [])):
+        out = {}
+        for variant in VARIANTS:
+            if variant not in rep:
+                continue
+            times = rep[variant]
+            fast = VARIANTS[variant][0]
+            old_pass = not fast and times.get("old_logps_s", 0.0) > 0.001
+            count = flops_run(batch, params, head, tied, fast=fast, old_pass=old_pass, parts=parts, seed=i,
+                              max_padding=VARIANTS[variant][1])
+            gflops = count["flops"] / times["update_s"] / 1e9
+            out[variant] = count | {"old_pass_counted": old_pass, "update_s": times["update_s"], "gflops": gflops,
+                                    "roofline_share": gflops / rep["bf16_peak_gflops"],
+                                    "useful_roofline_share": count["flops_useful"] / times["update_s"] / 1e9
+                                    / rep["bf16_peak_gflops"],
+                                    "roofline_share_as_written": times["roofline_share"]}
+        recounted["reps"].append(out)
+    target = path.with_name(path.stem + "_recounted.json")
+    target.write_text(json.dumps(recounted, indent=1))
+    print(json.dumps(recounted, indent=1))
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=Path, default=Path("results/experiment/eviback/groups.jsonl"))
@@ -413,7 +513,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"update variants per repetition, plain first ({', '.join(VARIANTS)})")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("results/update"))
+    parser.add_argument("--recount", type=Path, default=None,
+                        help="recompute the FLOPs and roofline shares of this written JSON, run nothing else")
     args = parser.parse_args(argv)
+    if args.recount is not None:
+        recount(args.recount, args.model, args.max_obs_tokens)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -425,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads(json.dumps(__import__("yaml").safe_load((args.groups.parent / "config.yaml").read_text())))
     group_size, questions_per_step = config["group_size"], config["questions_per_step"]
     trainer, model, optimizer, tokenizer = build_trainer(args, args.out, group_size, questions_per_step)
+    from eviback.policy import resolve_model
+
     step, rows = rows_from_groups(args.groups, args.step, tokenizer, args.max_obs_tokens)
     batch = generation_batch(rows, tokenizer.pad_token_id)
     rollout_masks = [r.tool_mask for r in rows]
@@ -432,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     real = sum(len(r.prompt) + len(r.completion) for r in rows)
     padded_full = batch["prompt_ids"].numel() + batch["completion_ids"].numel()
     model_tokens = sum(sum(r.tool_mask) for r in rows)
-    flops = 6 * params * real + 2 * params * real
+    head, tied = head_parameters(resolve_model(args.model, "float32"))
     shape = {
         "groups": str(args.groups), "step": step, "rows": len(rows), "group_size": group_size,
         "questions_per_step": questions_per_step, "parameters": params,
@@ -443,7 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         "padding_share_plain": round(1 - real / padded_full, 4),
         "positions_through_lm_head_plain": len(rows) * (padded_full // len(rows) - 1),
         "positions_through_lm_head_fast": model_tokens,
-        "trained_tokens": real, "reference_tokens": real, "flops": flops,
+        "lm_head_parameters": head, "tied_embeddings": tied,
+        # what each variant runs, for the micro-batch split of repetition 0 (see flops_run)
+        "flops_plain": variant_flops(batch, params, head, tied, "plain", questions_per_step, 0)["flops"],
+        "flops_fast": variant_flops(batch, params, head, tied, "fast", questions_per_step, 0)["flops"],
     }
     log.info("batch: %s", shape)
     result: dict = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -475,8 +585,10 @@ def main(argv: list[str] | None = None) -> int:
             trim()
             times = one_update(trainer, model, optimizer, batch, rollout_masks, questions_per_step, variant, seed=i)
             times["load"] = load_avg()
-            times["gflops"] = flops / times["update_s"] / 1e9
+            times |= variant_flops(batch, params, head, tied, variant, questions_per_step, i)
+            times["gflops"] = times["flops"] / times["update_s"] / 1e9
             times["roofline_share"] = times["gflops"] / pair["bf16_peak_gflops"]
+            times["useful_roofline_share"] = times["flops_useful"] / times["update_s"] / 1e9 / pair["bf16_peak_gflops"]
             pair[variant] = times
             log.info("rep %d %s: %s", i, variant, times)
         pair["bf16_peak_gflops_after"] = bf16_peak_gflops()

@@ -186,3 +186,54 @@ def test_all_zero_groups_first_then_others_to_balance_the_labels(probes):
         zero_counts[Status.SUFFICIENT] - zero_counts[Status.INSUFFICIENT])
     assert all_zero_first_balanced(ts + hits, "salt") == chosen  # deterministic
     assert set(map(id, all_zero_first_balanced(list(reversed(ts + hits)), "salt"))) >= set(map(id, extra))
+
+
+def _cut(trajectory, chars):
+    """The rollout as the observation cap leaves it: each observation cut to `chars` characters (a rollout
+    cuts token ids; a character cut is the same shape: the last passage shortened, later ones unseen)."""
+    turns = tuple(dataclasses.replace(t, observation=t.observation[:chars]) if t.executed else t
+                  for t in trajectory.turns)
+    return dataclasses.replace(trajectory, turns=turns)
+
+
+def _seen_passages(trajectory):
+    """The passages' texts the teacher is shown, numbering stripped."""
+    import re
+    text = re.sub(r"^Doc 1\(Title: ", "", blind_view(trajectory).evidence_text())
+    return sorted(part.strip() for part in re.split(r"\nDoc \d+\(Title: ", text))
+
+
+def test_reordered_evidence_is_the_evidence_as_the_actor_saw_it(probes):
+    """The observation cut survives reordering: the teacher is shown the same seen texts in another order,
+    never the full passages (a cut passage stays cut, a passage cut away stays unseen)."""
+    checked = 0
+    for p in probes[:20]:
+        full = p.trajectory.turns[0].observation
+        t = _cut(p.trajectory, len(full) // 2)
+        r = reorder_evidence(t, "salt")
+        if r is None:
+            continue
+        checked += 1
+        assert _seen_passages(r) == _seen_passages(t)  # the same texts (white space at a cut aside)
+        assert blind_view(r).evidence_text() != blind_view(t).evidence_text()
+        seen_ids = {i for e in blind_view(t).seen for i in e.passage_ids}
+        assert {i for e in blind_view(r).seen for i in e.passage_ids} == seen_ids
+    assert checked >= 5
+
+
+def test_reordered_evidence_of_uncut_rollouts_is_the_rendered_permutation(probes):
+    from eviback.protocol import render_observation
+    for p in probes[:10]:
+        r = reorder_evidence(p.trajectory, "salt")
+        for turn in r.turns:
+            if turn.executed:
+                assert turn.observation == render_observation(turn.passages)
+
+
+def test_a_repeated_search_result_is_reordered_once_and_repeated(probes):
+    t = probes[0].trajectory
+    search = t.turns[0]
+    t = dataclasses.replace(t, turns=(search, search) + t.turns[1:])
+    r = reorder_evidence(t, "salt")
+    assert r.turns[0] == r.turns[1] and r.turns[0].observation != search.observation
+    assert len(blind_view(r).seen) == 1

@@ -60,3 +60,28 @@ def test_bootstrap_lower_bound_is_seeded_and_below_the_estimate():
     assert bootstrap_lower_bound([[3, 0]] * 5, fleiss_kappa) is None  # undefined on the items themselves
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert bootstrap_lower_bound([1.0] * 10, mean, resamples=100) == 1.0
+
+
+def test_wilson_lower_bound_is_scipys_wilson_interval_one_sided():
+    from scipy.stats import binomtest
+    for k, n in [(0, 1), (3, 10), (8, 10), (10, 10), (40, 81)]:
+        two_sided_90 = binomtest(k, n).proportion_ci(confidence_level=0.90, method="wilson")
+        assert wilson_lower_bound(k, n, 0.95) == pytest.approx(max(0.0, two_sided_90.low), abs=1e-12)
+    assert wilson_lower_bound(5, 10, 0.5) == pytest.approx(0.5)  # the median bound is the estimate
+
+
+def test_bootstrap_lower_bound_is_a_one_sided_percentile_bound():
+    import numpy as np
+    from scipy.stats import bootstrap
+    xs = [1.0] * 60 + [0.0] * 40
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    lower = bootstrap_lower_bound(xs, mean, confidence=0.95, resamples=2000, seed=7)
+    # scipy's one-sided percentile bound of the same resamples (index resampling, same generator)
+    ref = bootstrap((np.arange(100),), lambda i: float(np.asarray(xs)[i].mean()), n_resamples=2000,
+                    vectorized=False, confidence_level=0.95, alternative="greater", method="percentile",
+                    rng=np.random.default_rng(7)).confidence_interval.low
+    assert lower == pytest.approx(ref)
+    # and near the normal approximation p - z sqrt(p (1 - p) / n) = 0.6 - 1.645 x 0.049 = 0.519
+    assert lower == pytest.approx(0.6 - 1.6449 * (0.24 / 100) ** 0.5, abs=0.02)
+    assert bootstrap_lower_bound(xs, mean, confidence=0.8, seed=7) > lower
+    assert bootstrap_lower_bound([0.7], mean) == 0.7  # one item: every resample is that item

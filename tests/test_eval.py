@@ -178,3 +178,16 @@ def test_report_reads_an_archived_items_file(tmp_path, suite, tokenizer):
     assert [i.key for i in read_items(archived)] == [i.key for i in read_items(tmp_path / "out" / "items.jsonl")]
     assert cli.main(["report", str(archived), "-o", str(tmp_path / "page.html")]) == 0
     assert "who wrote hamlet" in (tmp_path / "page.html").read_text()
+
+
+def test_a_record_written_under_the_old_definitions_reads_as_the_current_ones():
+    """An items.jsonl record of a rollout cut by the context budget, written when `forced` also counted such
+    a stop: its stats are recomputed from its trajectory."""
+    from eviback.evaluate import EvalItem
+    from eviback.types import Question, StopReason, to_dict
+    t = Trajectory(Question("q1", "who?", ("x",)), (), None, StopReason.LENGTH)
+    record = EvalItem.of("nq", t).to_json()
+    assert record["forced"] is False and record["valid_answer"] is False
+    record["forced"] = True  # the old definition
+    assert EvalItem.from_json(record).stats.forced is False
+    assert to_dict(EvalItem.from_json(record).trajectory) == to_dict(t)

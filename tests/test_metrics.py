@@ -157,3 +157,22 @@ def test_rollout_metrics_means():
     assert m.duplicate_query_rate == pytest.approx(1 / 3)
     assert m.forced_termination_rate == 0.5
     assert rollout_metrics([]).n == 0
+
+
+@pytest.mark.parametrize("answer, stop, valid, forced", [
+    ("Paris", StopReason.ANSWERED, True, False),
+    ("", StopReason.ANSWERED, False, False),  # `<answer></answer>`: parseable but empty
+    (" ... ", StopReason.ANSWERED, False, False),  # no letter or digit: says nothing
+    ("1889", StopReason.ANSWERED, True, False),
+    (None, StopReason.FORCED, False, True),  # cut at the turn limit
+    (None, StopReason.LENGTH, False, False),  # cut by the context budget: not the turn limit
+])
+def test_valid_answer_and_forced_termination_each_say_something(answer, stop, valid, forced):
+    stats = trajectory_stats(_trajectory(["x"], answer, stop))
+    assert (stats.valid_answer, stats.forced) == (valid, forced)
+
+
+def test_valid_answer_and_forced_rates_are_not_complements():
+    m = rollout_metrics([_trajectory(["a"], "Paris"), _trajectory(["b"], "", StopReason.ANSWERED),
+                         _trajectory(["c"], None, StopReason.LENGTH), _trajectory(["d"], None, StopReason.FORCED)])
+    assert m.valid_answer_rate == 0.25 and m.forced_termination_rate == 0.25

@@ -1,5 +1,6 @@
 """The per-rollout teacher logic: gate, I never overturned, reward, parsing, and the evidence boundary."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -196,3 +197,26 @@ def test_no_byte_of_any_stage_a_request_contains_a_gold_canary():
             hits = [c for c in canaries if c.encode() in data]
             assert (request.stage == "B") == bool(hits), request.stage
         assert {v.stage_a_status for v in verdicts} == {S, A} and all(v.stage_b_ran for v in verdicts)
+
+
+def test_injection_goes_into_the_evidence_as_the_actor_saw_it():
+    """A rollout whose observation was cut: the injected instruction follows the text the actor saw of the
+    passage, and the rest of the observation stays cut (never the full passages re-rendered)."""
+    from eviback.teacher.probes import build_probes, inject
+    checked = 0
+    for probe in build_probes(12, seed=3, source="train"):
+        t = probe.trajectory
+        full = t.turns[0].observation
+        cut_turn = dataclasses.replace(t.turns[0], observation=full[: len(full) // 2])
+        cut = dataclasses.replace(t, turns=(cut_turn,) + t.turns[1:])
+        before = blind_view(cut).evidence_text()
+        for passage in (0, 1):
+            if f"Doc {passage + 1}(Title: " not in before:
+                with pytest.raises(ValueError, match="never saw"):
+                    inject(cut, "OBEY.", passage=passage)
+                continue
+            after = blind_view(inject(cut, "OBEY.", passage=passage)).evidence_text()
+            checked += 1
+            assert after.count("OBEY.") == 1 and len(after) <= len(before) + len("  OBEY.")
+            assert " ".join(after.replace("OBEY.", "").split()) == " ".join(before.split())
+    assert checked >= 12

@@ -30,6 +30,7 @@ from eviback import dtype as dtypes
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
 from eviback.generation.base import GenerationBackend
 from eviback.metrics import (
+    METRIC_NOTE,
     AnswerScores,
     RolloutMetrics,
     TrajectoryStats,
@@ -39,6 +40,7 @@ from eviback.metrics import (
 )
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.templates import render
 from eviback.types import Question, Trajectory, from_dict, to_dict
 
 log = logging.getLogger(__name__)
@@ -96,12 +98,13 @@ class EvalItem:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> EvalItem:
+        trajectory = from_dict(Trajectory, obj["trajectory"])
         return cls(
             benchmark=obj["benchmark"],
-            trajectory=from_dict(Trajectory, obj["trajectory"]),
+            trajectory=trajectory,
             scores=AnswerScores(em=obj["em"], f1=obj["f1"], sub_em=obj["sub_em"]),
-            stats=TrajectoryStats(valid_answer=obj["valid_answer"], searches=obj["searches"],
-                                  duplicate_searches=obj["duplicate_searches"], forced=obj["forced"]),
+            # recomputed, not read: a record written under older definitions reads as the current ones
+            stats=trajectory_stats(trajectory),
         )
 
 
@@ -244,25 +247,16 @@ def comparison_markdown(summaries: Mapping[str, EvalSummary], title: str = "") -
         for policy, rows in per_policy.items():
             cells = _cells(rows[i][1])
             lines.append(f"| {label} | " + (f"{policy} | " if named else "") + " | ".join(cells) + " |\n")
+    lines.append(f"\n{METRIC_NOTE}.\n")
     return "".join(lines)
 
 
 def comparison_html(summaries: Mapping[str, EvalSummary]) -> str:
-    """The same table as :func:`comparison_markdown`, as an HTML table."""
-    import html
-
-    named = len(summaries) > 1
+    """The same table as :func:`comparison_markdown`, as an HTML fragment (templates/eval_table.html.j2)."""
     per_policy = {name: summary_rows(s) for name, s in summaries.items()}
-    head = "<tr><th>benchmark</th>" + ("<th>policy</th>" if named else "") + "".join(
-        f"<th>{html.escape(c)}</th>" for c in METRIC_COLUMNS) + "</tr>"
-    body = []
-    for i, (row_name, _) in enumerate(next(iter(per_policy.values()))):
-        for policy, rows in per_policy.items():
-            style = " style='font-weight:bold'" if "macro" in row_name else ""
-            body.append(f"<tr{style}><td>{html.escape(row_name)}</td>"
-                        + (f"<td>{html.escape(policy)}</td>" if named else "")
-                        + "".join(f"<td style='text-align:right'>{c}</td>" for c in _cells(rows[i][1])) + "</tr>")
-    return "<table>" + head + "".join(body) + "</table>"
+    rows = [{"name": row_name, "policy": policy, "bold": "macro" in row_name, "cells": _cells(rows[i][1])}
+            for i, (row_name, _) in enumerate(next(iter(per_policy.values()))) for policy, rows in per_policy.items()]
+    return render("eval_table.html.j2", named=len(summaries) > 1, columns=METRIC_COLUMNS, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -143,15 +143,28 @@ def score_answer(prediction: str | None, golds: Sequence[str]) -> AnswerScores:
 class TrajectoryStats:
     """Search-efficiency statistics of one rollout.
 
-    `valid_answer`: the model's own text holds a parseable `<answer>` (observations and the invalid-action
-    message never count). `searches`: executed searches. `duplicate_searches`: executed searches whose
-    normalised query repeats an earlier one of the same rollout. `forced`: the engine ended the rollout
-    (turn or length budget) before the model answered."""
+    `valid_answer`: the model's own text holds a parseable, non-empty `<answer>`: one with at least one
+    letter or digit (`<answer></answer>` and `<answer> ... </answer>` are not answers; observations and the
+    invalid-action message never count). `searches`: executed searches. `duplicate_searches`: executed
+    searches whose normalised query repeats an earlier one of the same rollout. `forced`: the rollout was cut
+    at the turn limit (`StopReason.FORCED`); a rollout cut by the context budget (`StopReason.LENGTH`) is
+    neither forced nor, unless it answered, valid. The two are not complements: an empty answer is neither,
+    a context-budget stop is neither, so `valid_answer + forced` is below 1 where either happens."""
 
     valid_answer: bool
     searches: int
     duplicate_searches: int
     forced: bool
+
+
+# What the two answering rates mean, for every table that shows them.
+METRIC_NOTE = ("valid answer: a parseable answer with a letter or digit; forced: cut at the turn limit "
+               "(a rollout cut by the context budget, or answering nothing, is neither)")
+
+
+def is_valid_answer(answer: str | None) -> bool:
+    """A parsed answer that says something: not None, with at least one letter or digit."""
+    return answer is not None and any(ch.isalnum() for ch in answer)
 
 
 def trajectory_stats(trajectory: Trajectory) -> TrajectoryStats:
@@ -162,10 +175,10 @@ def trajectory_stats(trajectory: Trajectory) -> TrajectoryStats:
         duplicates += key in seen
         seen.add(key)
     return TrajectoryStats(
-        valid_answer=trajectory.answer is not None,
+        valid_answer=is_valid_answer(trajectory.answer),
         searches=len(trajectory.queries),
         duplicate_searches=duplicates,
-        forced=trajectory.stop_reason in (StopReason.FORCED, StopReason.LENGTH),
+        forced=trajectory.stop_reason is StopReason.FORCED,
     )
 
 

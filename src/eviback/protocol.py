@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from eviback.types import Action, ActionKind, Passage
 
@@ -74,6 +75,71 @@ def render_passages(passages: Sequence[Passage]) -> str:
 def render_observation(passages: Sequence[Passage]) -> str:
     """The text appended after an executed search."""
     return f"\n\n<information>{render_passages(passages).strip()}</information>\n\n"
+
+
+_INFORMATION_CLOSE = "</information>"
+
+
+def _doc_header(number: int) -> str:
+    return f"Doc {number}(Title: "
+
+
+@dataclass(frozen=True)
+class ObservationParts:
+    """An observation as the actor saw it (after the observation cut), split at its passages' headers.
+
+    `docs[i]` is the text of passage i+1 after its `Doc i+1(Title: ` header, up to the next header (the
+    newline between passages excluded): the title, the passage text, cut where the observation was cut.
+    Only passages whose header survived the cut have a doc. `head` is the text before the first header
+    (`\n\n<information>`); `tail` what follows the last doc: the closing `</information>\n\n`, what the
+    cut left of it, or of the next passage's header, or nothing. :func:`join_observation` inverts
+    :func:`split_observation` exactly."""
+
+    head: str
+    docs: tuple[str, ...]
+    tail: str
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest prefix of `marker` that `text` ends with (0: none)."""
+    for k in range(len(marker), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def split_observation(observation: str, passages: int) -> ObservationParts:
+    """Split the observation of a search that retrieved `passages` passages into its seen passages."""
+    starts: list[int] = []
+    at = 0
+    for number in range(1, passages + 1):
+        found = observation.find(_doc_header(number), at)
+        if found == -1 or not observation[found + len(_doc_header(number)):].strip():
+            break  # a header with nothing after it shows nothing of its passage (evidence_as_seen agrees)
+        starts.append(found)
+        at = found + len(_doc_header(number))
+    if not starts:
+        return ObservationParts(head=observation, docs=(), tail="")
+    docs = []
+    for i, start in enumerate(starts[:-1]):
+        text = observation[start + len(_doc_header(i + 1)): starts[i + 1]]
+        docs.append(text[:-1] if text.endswith("\n") else text)
+    last = observation[starts[-1] + len(_doc_header(len(starts))):]
+    close = last.rfind(_INFORMATION_CLOSE)
+    if close != -1:
+        cut = len(last) - close
+    elif len(starts) < passages:  # the cut fell in the next passage's header, or in this passage's text
+        cut = _partial_suffix(last, "\n" + _doc_header(len(starts) + 1))
+    else:  # the cut fell in the closing tag, or in the last passage's text
+        cut = _partial_suffix(last, _INFORMATION_CLOSE)
+    docs.append(last[: len(last) - cut])
+    return ObservationParts(head=observation[: starts[0]], docs=tuple(docs), tail=last[len(last) - cut:])
+
+
+def join_observation(parts: ObservationParts) -> str:
+    """The observation text of `parts`, its passages numbered 1.. in the order of `parts.docs`."""
+    body = "\n".join(_doc_header(i) + doc for i, doc in enumerate(parts.docs, start=1))
+    return parts.head + body + parts.tail
 
 
 def truncate_turn(text: str) -> str:

@@ -3,38 +3,37 @@ sealed-test confirmation, data hashes)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from eviback.ape.candidates import Candidate
-from eviback.ape.events import CandidateEvaluated, PolicyFrozen
+from eviback.ape.context import StageContext
+from eviback.ape.events import CandidateEvaluated, PolicyFrozen, RunIdentity
 from eviback.teacher.policy import freeze_policy
-
-if TYPE_CHECKING:
-    from eviback.ape.pipeline import ApeRun
+from eviback.types import to_dict
 
 
-def freeze(run: ApeRun, winner: Candidate) -> PolicyFrozen:
-    if run.frozen is None:
-        decided = run.decided[winner.id]
+def freeze(ctx: StageContext, winner: Candidate, path: Path, identity: RunIdentity) -> PolicyFrozen:
+    """Freeze `winner` to `path` (once, logged), its provenance naming the run's backends and inputs from
+    `identity`."""
+    if ctx.state.frozen is None:
+        decided = ctx.state.decided[winner.id]
         assert isinstance(decided, CandidateEvaluated)
-        test = run.tests.get(winner.id)
-        from eviback.types import to_dict
-
+        test = ctx.state.tests.get(winner.id)
         provenance = {
             "method": "E2E-APE (EVIBACK.md section 5)",
             "candidate": winner.id, "origin": winner.origin.value, "parent": winner.parent, "note": winner.note,
-            "spec_sha256": run.spec.sha256,
-            "splits": [to_dict(i) for i in run.splits.infos()],
-            "teacher_backend": run.teacher_backend_id(), "controller": run.controller_id(),
+            "spec_sha256": ctx.spec.sha256,
+            "splits": [to_dict(i) for i in ctx.splits.infos()],
+            "teacher_backend": identity.teacher_backend, "controller": identity.controller,
             "gate_report": to_dict(decided.report),
             "validation_metrics": to_dict(decided.metrics),
             "sealed_test_metrics": to_dict(test.metrics) if test is not None else None,
-            "selection": to_dict(run.selected[1]) if run.selected else None,
-            "sealed_test_confirmation": to_dict(run.confirmation) if run.confirmation else None,
-            "inputs": list(run.inputs),
+            "selection": to_dict(ctx.state.selected[1]) if ctx.state.selected else None,
+            "sealed_test_confirmation": to_dict(ctx.state.confirmation) if ctx.state.confirmation else None,
+            "inputs": list(identity.inputs),
         }
-        path = freeze_policy(winner.policy, run.out / run.config.frozen_name, provenance)
-        run.emit(PolicyFrozen(str(path), winner.policy.version))
-        run.progress(f"froze {winner.policy.name} version {winner.policy.short_version} -> {path}")
-    assert run.frozen is not None
-    return run.frozen
+        path = freeze_policy(winner.policy, path, provenance)
+        ctx.emit(PolicyFrozen(str(path), winner.policy.version))
+        ctx.progress(f"froze {winner.policy.name} version {winner.policy.short_version} -> {path}")
+    assert ctx.state.frozen is not None
+    return ctx.state.frozen

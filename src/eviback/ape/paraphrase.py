@@ -10,24 +10,21 @@ paraphrased only once the test split has been opened.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from eviback.ape.context import StageContext
 from eviback.ape.controller import PARAPHRASE_SLOT, ChatController, paraphrase_messages, paraphrase_of
 from eviback.ape.events import QuestionsParaphrased
 from eviback.ape.rollouts import Rollout
 from eviback.teacher.chat import TeacherCallError
 
-if TYPE_CHECKING:
-    from eviback.ape.pipeline import ApeRun
 
-
-def paraphrase_questions(run: ApeRun, rollouts: Sequence[Rollout]) -> None:
+def paraphrase_questions(ctx: StageContext, rollouts: Sequence[Rollout]) -> None:
     """Ask the controller for the paraphrases still missing for `rollouts`' questions (once, logged)."""
-    controller = run.controller
+    controller = ctx.controller()
     if controller is None or (isinstance(controller, ChatController) and controller.settings.skeletons):
         return  # no controller, or a small one filling skeletons: the rule-based rewording stands
     questions = {r.question_id: r.trajectory.question.question for r in rollouts}
-    missing = sorted(q for q in questions if q not in run.paraphrases and q not in run.paraphrase_fallbacks)
+    missing = sorted(q for q in questions if q not in ctx.state.paraphrases and q not in ctx.state.paraphrase_fallbacks)
     if not missing:
         return
     written, fallbacks = [], []
@@ -42,5 +39,5 @@ def paraphrase_questions(run: ApeRun, rollouts: Sequence[Rollout]) -> None:
             fallbacks.append(qid)
         else:
             written.append((qid, text))
-    run.emit(QuestionsParaphrased(controller.controller_id, tuple(written), tuple(fallbacks)))
-    run.progress(f"controller paraphrases: {len(written)} written, {len(fallbacks)} fell back to the rewording")
+    ctx.emit(QuestionsParaphrased(controller.controller_id, tuple(written), tuple(fallbacks)))
+    ctx.progress(f"controller paraphrases: {len(written)} written, {len(fallbacks)} fell back to the rewording")

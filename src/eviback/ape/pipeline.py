@@ -22,8 +22,9 @@ controller replies are cached in ``<out>/cache.sqlite``, so nothing paid is paid
 6. ``freeze``: a confirmed winner frozen with its provenance; else nothing is frozen, with the reasons;
 7. ``report``: ``result.json`` and ``report.md``.
 
-:class:`ApeRun` holds the run's state (rebuilt from its event log), its backends and the judging that every
-stage shares.
+:class:`ApeRun` holds the run's configuration, its backends, its event log and the judging; the state rebuilt
+from the log is a :class:`~eviback.ape.state.RunState`, and each stage is given a narrow
+:class:`~eviback.ape.context.StageContext`, never the run (so no stage imports this module).
 """
 
 from __future__ import annotations
@@ -32,33 +33,22 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from eviback.ape.candidates import Candidate, Origin, RejectedProposal
+from eviback.ape.candidates import Candidate, Origin
 from eviback.ape.config import ApeConfig, ControllerKind, Progress, stderr_progress
-from eviback.ape.confirm import Confirmation
+from eviback.ape.context import StageContext
 from eviback.ape.controller import ChatController, Controller, ControllerSettings, LocalChatClient
 from eviback.ape.data import load_data
 from eviback.ape.events import (
     CandidateEvaluated,
-    CandidateProposed,
     CandidateRejected,
     ConditionJudged,
-    EvaluatedOnTest,
     EventLog,
-    FeedbackScored,
-    PolicyFrozen,
-    ProposalRejected,
-    QuestionsParaphrased,
-    RoundFinished,
-    RoundStarted,
     RunFinished,
     RunIdentity,
     RunStarted,
-    Selected,
-    TestConfirmation,
-    UnsealedTest,
 )
 from eviback.ape.freeze import freeze
-from eviback.ape.gates import SELECTION, Phase, Selection, acceptance
+from eviback.ape.gates import SELECTION, Phase, acceptance
 from eviback.ape.measure import (
     STABILITY_CONDITIONS,
     CandidateMetrics,
@@ -74,6 +64,7 @@ from eviback.ape.rollouts import Rollout, RolloutSplits, Split, load_paraphrases
 from eviback.ape.sealed import BASELINE, confirm_on_test, measure_on_test, test_rollouts
 from eviback.ape.selection import select
 from eviback.ape.spec import ConstraintSpec, spec_yaml
+from eviback.ape.state import RunState
 from eviback.dtype import resolve as resolve_dtype
 from eviback.teacher.chat import TeacherClient
 from eviback.teacher.config import Backend, open_cache
@@ -83,7 +74,7 @@ log = logging.getLogger(__name__)
 
 
 class ApeRun:
-    """One run's state (rebuilt from its event log) and its steps. Use :func:`run_ape`."""
+    """One run: its configuration, backends, event log and state, and its steps. Use :func:`run_ape`."""
 
     def __init__(self, config: ApeConfig, spec: ConstraintSpec, splits: RolloutSplits, inputs: tuple[str, ...], *,
                  client: TeacherClient | None = None, controller: Controller | None = None,
@@ -99,63 +90,19 @@ class ApeRun:
         self.inputs = inputs
         self.labels = {r.key: r.sufficient for r in (*splits.train, *splits.validation)}
         self.stability_subset = subset(splits.validation, spec.stability.rollouts, spec.data.salt)
-        self.acceptance = acceptance(spec.search.acceptance)
-        self.selector = SELECTION["best-feasible"]
-        self.paraphrases = load_paraphrases(spec.data.paraphrases) if spec.data.paraphrases else {}
-        self.paraphrase_fallbacks: set[str] = set()  # questions the controller could not paraphrase
+        paraphrases = load_paraphrases(spec.data.paraphrases) if spec.data.paraphrases else {}
         self.log = EventLog(self.out / "events.jsonl")
-        # state rebuilt from the log
-        self.candidates: dict[str, Candidate] = {}
-        self.rejected: dict[str, RejectedProposal] = {}
-        self.results: dict[tuple[str, Split, Condition, int], ConditionResult] = {}
-        self.decided: dict[str, CandidateRejected | CandidateEvaluated] = {}
-        self.feedback: dict[str, FeedbackScored] = {}
-        self.rounds: dict[int, RoundFinished] = {}
-        self.round_parents: dict[int, str] = {}
-        self.tests: dict[str, EvaluatedOnTest] = {}
-        self.selected: tuple[int, Selection] | None = None
-        self.unsealed: UnsealedTest | None = None
-        self.frozen: PolicyFrozen | None = None
-        self.confirmation: Confirmation | None = None
+        self.state = RunState(paraphrases=dict(paraphrases))
         for logged in self.log.events:
-            self._apply(logged.seq, logged.event)
-
-    # ---- state
-
-    def _apply(self, seq: int, event: object) -> None:
-        if isinstance(event, CandidateProposed):
-            self.candidates[event.candidate.id] = event.candidate
-        elif isinstance(event, ProposalRejected):
-            self.rejected[event.proposal.id] = event.proposal
-        elif isinstance(event, ConditionJudged):
-            r = event.result
-            self.results[(r.candidate_id, r.split, r.condition, r.sample)] = r
-        elif isinstance(event, CandidateRejected | CandidateEvaluated):
-            self.decided[event.candidate_id] = event
-        elif isinstance(event, FeedbackScored):
-            self.feedback[event.candidate_id] = event
-        elif isinstance(event, RoundFinished):
-            self.rounds[event.round] = event
-        elif isinstance(event, RoundStarted):
-            self.round_parents[event.round] = event.parent
-        elif isinstance(event, Selected):
-            self.selected = (seq, event.selection)
-        elif isinstance(event, UnsealedTest):
-            self.unsealed = event
-        elif isinstance(event, EvaluatedOnTest):
-            self.tests[event.candidate_id] = event
-        elif isinstance(event, TestConfirmation):
-            self.confirmation = event.confirmation
-        elif isinstance(event, QuestionsParaphrased):
-            for qid, text in event.paraphrases:
-                self.paraphrases.setdefault(qid, text)  # a given paraphrase (data.paraphrases) wins
-            self.paraphrase_fallbacks.update(event.fallbacks)
-        elif isinstance(event, PolicyFrozen):
-            self.frozen = event
+            self.state.apply(logged.seq, logged.event)
+        self.context = StageContext(
+            spec=spec, splits=splits, labels=self.labels, stability_subset=self.stability_subset,
+            state=self.state, judging=self, emit=self.emit, progress=progress, controller=lambda: self.controller,
+            acceptance=acceptance(spec.search.acceptance), selector=SELECTION["best-feasible"])
 
     def emit(self, event: object) -> None:
         logged = self.log.append(event)  # type: ignore[arg-type]
-        self._apply(logged.seq, event)
+        self.state.apply(logged.seq, event)
 
     # ---- backends (opened only when a step needs them: a fully replayed run loads no model)
 
@@ -224,7 +171,7 @@ class ApeRun:
         return self._controller
 
     def backend(self) -> JudgeBackend:
-        return JudgeBackend(self.client, self.cache, self.config.teacher.judge, paraphrases=self.paraphrases,
+        return JudgeBackend(self.client, self.cache, self.config.teacher.judge, paraphrases=self.state.paraphrases,
                             salt=self.spec.data.salt)
 
     def close(self) -> None:
@@ -248,7 +195,7 @@ class ApeRun:
             if diffs:
                 raise ValueError(f"{self.out} holds another E2E-APE run (different {', '.join(diffs)}); resume it "
                                  f"with the same spec, rollouts and backends, or choose another --out")
-            self.progress(f"resuming {self.out}: {len(self.log.events)} events, {len(self.candidates)} candidates")
+            self.progress(f"resuming {self.out}: {len(self.log.events)} events, {len(self.state.candidates)} candidates")
             return
         (self.out / "spec.yaml").write_text(spec_yaml(self.spec), encoding="utf-8")
         self.emit(RunStarted(identity))
@@ -262,10 +209,10 @@ class ApeRun:
                condition: Condition, sample: int = 0) -> ConditionResult:
         cid, policy = (candidate.id, candidate.policy) if isinstance(candidate, Candidate) else candidate
         key = (cid, split, condition, sample)
-        if key not in self.results:
+        if key not in self.state.results:
             result = self.backend().judge_condition(cid, policy, split, rollouts, condition, sample, self.progress)
             self.emit(ConditionJudged(result))
-        return self.results[key]
+        return self.state.results[key]
 
     def conditions(self, target: Candidate | tuple[str, TeacherPolicy], split: Split, rollouts: Sequence[Rollout],
                     check: str) -> list[ConditionResult]:
@@ -274,43 +221,32 @@ class ApeRun:
         if condition is Condition.SAMPLE:
             return [self.judged(target, split, sub, condition, k) for k in range(1, self.spec.stability.samples)]
         if condition is Condition.PARAPHRASED:
-            paraphrase_questions(self, sub)  # the controller's paraphrases, where one is available
+            paraphrase_questions(self.context, sub)  # the controller's paraphrases, where one is available
         return [self.judged(target, split, sub, condition)]
 
     def metrics(self, policy: TeacherPolicy, cid: str, split: Split) -> CandidateMetrics:
-        results = [r for (c, s, _, _), r in self.results.items() if c == cid and s == split]
-        labels = self.labels if split is not Split.TEST else {r.key: r.sufficient for r in test_rollouts(self)}
+        results = [r for (c, s, _, _), r in self.state.results.items() if c == cid and s == split]
+        labels = self.labels if split is not Split.TEST else {r.key: r.sufficient for r in test_rollouts(self.context)}
         return compute_metrics(policy, split, results, labels, self.spec)
-
-    # ---- evaluation of one candidate on the validation split, gate by gate
-
-    def order(self, c: Candidate) -> int:
-        return list(self.candidates).index(c.id)
-
-    # ---- feedback on training rollouts (failures for the controller; acceptance)
-
-    # ---- proposing
-
-    # ---- selection, sealed test, freeze
 
     # ---- the whole run
 
     def run(self) -> ApeResult:
         self.start()
-        round_zero(self)
+        round_zero(self.context)
         for round_ in range(1, self.spec.search.rounds + 1):
-            if round_ in self.rounds:
+            if round_ in self.state.rounds:
                 continue
-            if len(self.candidates) >= self.spec.search.max_candidates:
+            if len(self.state.candidates) >= self.spec.search.max_candidates:
                 self.progress(f"candidate budget reached ({self.spec.search.max_candidates}); no more rounds")
                 break
-            controller_round(self, round_)
-        _, selection = select(self)
+            controller_round(self.context, round_)
+        _, selection = select(self.context)
         if selection.winner is not None:
-            winner = self.candidates[selection.winner]
-            measure_on_test(self, winner)
-            if confirm_on_test(self, winner).confirmed:
-                freeze(self, winner)
+            winner = self.state.candidates[selection.winner]
+            measure_on_test(self.context, winner)
+            if confirm_on_test(self.context, winner).confirmed:
+                freeze(self.context, winner, self.out / self.config.frozen_name, self.identity())
         result = self.result()
         write_outputs(result, self.out)
         if not self.log.of(RunFinished):
@@ -320,9 +256,9 @@ class ApeRun:
 
     def result(self) -> ApeResult:
         records = []
-        for cid, c in self.candidates.items():
-            d = self.decided.get(cid)
-            fb = self.feedback.get(cid)
+        for cid, c in self.state.candidates.items():
+            d = self.state.decided.get(cid)
+            fb = self.state.feedback.get(cid)
             if isinstance(d, CandidateEvaluated):
                 records.append(CandidateRecord(c, "feasible", None, (), d.metrics, d.report,
                                                fb.objective if fb else None))
@@ -332,27 +268,27 @@ class ApeRun:
             else:
                 records.append(CandidateRecord(c, "not evaluated", None, (), None, None, fb.objective if fb else None))
         test = None
-        selection = self.selected[1] if self.selected else None
-        if selection is not None and selection.winner is not None and self.unsealed is not None:
-            base_id = self.unsealed.candidate_ids[-1]
-            w, b = self.tests.get(selection.winner), self.tests.get(base_id)
+        selection = self.state.selected[1] if self.state.selected else None
+        if selection is not None and selection.winner is not None and self.state.unsealed is not None:
+            base_id = self.state.unsealed.candidate_ids[-1]
+            w, b = self.state.tests.get(selection.winner), self.state.tests.get(base_id)
             if w is not None and b is not None:
-                base_policy = self.candidates[base_id].policy if base_id in self.candidates else load_policy(BASELINE)
-                test = TestComparison(selection.winner, self.candidates[selection.winner].policy.name, base_id,
+                base_policy = self.state.candidates[base_id].policy if base_id in self.state.candidates else load_policy(BASELINE)
+                test = TestComparison(selection.winner, self.state.candidates[selection.winner].policy.name, base_id,
                                       base_policy.name, w.metrics, b.metrics, w.report, b.report)
-        calls = sum(o.calls for r in self.results.values() for o in r.outcomes)
-        proposed = [c for c in self.candidates.values() if c.origin is Origin.CONTROLLER]
-        static = [self.decided.get(c.id) for c in proposed]
+        calls = sum(o.calls for r in self.state.results.values() for o in r.outcomes)
+        proposed = [c for c in self.state.candidates.values() if c.origin is Origin.CONTROLLER]
+        static = [self.state.decided.get(c.id) for c in proposed]
         static = [d for d in static if isinstance(d, CandidateRejected) and d.phase is Phase.STATIC]
         leaky = sum(any(r.startswith("evidence boundary") for r in d.reasons) for d in static)
-        invalid = sum(p.origin is Origin.CONTROLLER for p in self.rejected.values())
+        invalid = sum(p.origin is Origin.CONTROLLER for p in self.state.rejected.values())
         proposals = ProposalCounts(received=len(proposed) + invalid, invalid=invalid, leaky=leaky,
                                    other_static=len(static) - leaky, evaluated=len(proposed) - len(static))
         return ApeResult(
             identity=self.identity(), spec=self.spec, candidates=tuple(records),
-            rejected_proposals=tuple(self.rejected.values()), selection=selection, test=test,
-            confirmation=self.confirmation, proposals=proposals,
-            frozen_path=self.frozen.path if self.frozen else "", frozen_version=self.frozen.version if self.frozen else "",
+            rejected_proposals=tuple(self.state.rejected.values()), selection=selection, test=test,
+            confirmation=self.state.confirmation, proposals=proposals,
+            frozen_path=self.state.frozen.path if self.state.frozen else "", frozen_version=self.state.frozen.version if self.state.frozen else "",
             teacher_calls=calls)
 
 

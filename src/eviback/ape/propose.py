@@ -3,8 +3,6 @@ candidate so far; every controller reply is validated before any teacher call.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from eviback.ape.candidates import (
     Candidate,
     NotApplicable,
@@ -17,6 +15,7 @@ from eviback.ape.candidates import (
     seed_policy,
     structure_key,
 )
+from eviback.ape.context import StageContext
 from eviback.ape.controller import EXAMPLE_TEXTS, ChatController, controller_messages
 from eviback.ape.evaluate import evaluate
 from eviback.ape.events import CandidateProposed, ProposalRejected, RoundFinished, RoundStarted
@@ -24,36 +23,33 @@ from eviback.ape.feedback import failures_of
 from eviback.ape.selection import scored
 from eviback.teacher.chat import TeacherCallError
 
-if TYPE_CHECKING:
-    from eviback.ape.pipeline import ApeRun
 
-
-def propose(run: ApeRun, candidate: Candidate) -> Candidate | None:
+def propose(ctx: StageContext, candidate: Candidate) -> Candidate | None:
     """Log a new valid candidate (unless its slot is taken or the budget is spent)."""
-    if candidate.id in run.candidates or candidate.id in run.rejected:
-        return run.candidates.get(candidate.id)
-    if len(run.candidates) >= run.spec.search.max_candidates:
+    if candidate.id in ctx.state.candidates or candidate.id in ctx.state.rejected:
+        return ctx.state.candidates.get(candidate.id)
+    if len(ctx.state.candidates) >= ctx.spec.search.max_candidates:
         return None
-    run.emit(CandidateProposed(candidate))
+    ctx.emit(CandidateProposed(candidate))
     return candidate
 
 
-def reject_proposal(run: ApeRun, proposal: RejectedProposal) -> None:
-    if proposal.id not in run.rejected and proposal.id not in run.candidates:
-        run.progress(f"{proposal.id}: proposal rejected: {proposal.reason}")
-        run.emit(ProposalRejected(proposal))
+def reject_proposal(ctx: StageContext, proposal: RejectedProposal) -> None:
+    if proposal.id not in ctx.state.rejected and proposal.id not in ctx.state.candidates:
+        ctx.progress(f"{proposal.id}: proposal rejected: {proposal.reason}")
+        ctx.emit(ProposalRejected(proposal))
 
 
-def mutations_of(run: ApeRun, parent: Candidate, count: int, round_: int, prefix: str) -> list[Candidate]:
+def mutations_of(ctx: StageContext, parent: Candidate, count: int, round_: int, prefix: str) -> list[Candidate]:
     out: list[Candidate] = []
-    taken = {o.structure for o in run.candidates.values()}
+    taken = {o.structure for o in ctx.state.candidates.values()}
     index = 0
-    for name in mutation_names(run.spec.search.mutations):
+    for name in mutation_names(ctx.spec.search.mutations):
         if len(out) >= count:
             break
         slot = f"{prefix}m{index}"
-        if slot in run.candidates:
-            out.append(run.candidates[slot])
+        if slot in ctx.state.candidates:
+            out.append(ctx.state.candidates[slot])
             index += 1
             continue
         try:
@@ -62,7 +58,7 @@ def mutations_of(run: ApeRun, parent: Candidate, count: int, round_: int, prefix
             continue
         if structure_key(policy) in taken:
             continue
-        candidate = propose(run, Candidate(slot, policy, Origin.MUTATION, parent.id, round_, name))
+        candidate = propose(ctx, Candidate(slot, policy, Origin.MUTATION, parent.id, round_, name))
         index += 1
         if candidate is None:
             break
@@ -70,20 +66,20 @@ def mutations_of(run: ApeRun, parent: Candidate, count: int, round_: int, prefix
     return out
 
 
-def round_zero(run: ApeRun) -> None:
+def round_zero(ctx: StageContext) -> None:
     seeds = []
-    for i, ref in enumerate(run.spec.search.seeds):
-        c = propose(run, Candidate(f"s{i}", seed_policy(ref), Origin.SEED, "", 0, ref))
+    for i, ref in enumerate(ctx.spec.search.seeds):
+        c = propose(ctx, Candidate(f"s{i}", seed_policy(ref), Origin.SEED, "", 0, ref))
         if c is not None:
             seeds.append(c)
     base = next((c for c in seeds if refinable(c) and not c.policy.boundary_violations()), None)
-    if base is not None and 0 not in run.rounds:
-        mutations_of(run, base, len(mutation_names(run.spec.search.mutations)), 0, "")
-    for c in list(run.candidates.values()):
+    if base is not None and 0 not in ctx.state.rounds:
+        mutations_of(ctx, base, len(mutation_names(ctx.spec.search.mutations)), 0, "")
+    for c in list(ctx.state.candidates.values()):
         if c.round == 0:
-            evaluate(run, c)
-    if 0 not in run.rounds:
-        run.emit(RoundFinished(0, base.id if base is not None else ""))
+            evaluate(ctx, c)
+    if 0 not in ctx.state.rounds:
+        ctx.emit(RoundFinished(0, base.id if base is not None else ""))
 
 
 def refinable(candidate: Candidate) -> bool:
@@ -94,47 +90,47 @@ def refinable(candidate: Candidate) -> bool:
     return not candidate.policy.status_stage.own_backend
 
 
-def best_so_far(run: ApeRun) -> Candidate | None:
+def best_so_far(ctx: StageContext) -> Candidate | None:
     """The best refinable candidate so far: the selected feasible one; else the best objective among those
     with base metrics; else the first compliant seed."""
-    pool = {cid for cid, c in run.candidates.items() if refinable(c)}
-    selection = run.selector.select([s for s in scored(run) if s.id in pool], run.spec)
+    pool = {cid for cid, c in ctx.state.candidates.items() if refinable(c)}
+    selection = ctx.selector.select([s for s in scored(ctx) if s.id in pool], ctx.spec)
     if selection.winner is not None:
-        return run.candidates[selection.winner]
-    measured = [(d.metrics.objective(run.spec.objective.metric), -run.order(run.candidates[cid]), cid)
-                for cid, d in run.decided.items() if cid in pool and d.metrics is not None
-                and d.metrics.objective(run.spec.objective.metric) is not None]
+        return ctx.state.candidates[selection.winner]
+    measured = [(d.metrics.objective(ctx.spec.objective.metric), -ctx.state.order(ctx.state.candidates[cid]), cid)
+                for cid, d in ctx.state.decided.items() if cid in pool and d.metrics is not None
+                and d.metrics.objective(ctx.spec.objective.metric) is not None]
     if measured:
-        return run.candidates[max(measured)[2]]
-    return next((c for c in run.candidates.values() if refinable(c) and not c.policy.boundary_violations()),
+        return ctx.state.candidates[max(measured)[2]]
+    return next((c for c in ctx.state.candidates.values() if refinable(c) and not c.policy.boundary_violations()),
                 None)
 
 
-def controller_round(run: ApeRun, round_: int) -> None:
-    started = run.round_parents.get(round_)
-    parent = run.candidates[started] if started else best_so_far(run)
+def controller_round(ctx: StageContext, round_: int) -> None:
+    started = ctx.state.round_parents.get(round_)
+    parent = ctx.state.candidates[started] if started else best_so_far(ctx)
     if parent is None:
         return
     if not started:  # logged, so that a resumed round refines the same parent
-        run.emit(RoundStarted(round_, parent.id))
+        ctx.emit(RoundStarted(round_, parent.id))
     prefix = f"r{round_}."
-    run.progress(f"round {round_}: refining {parent.id} {parent.policy.name}")
-    controller = run.controller
-    if controller is not None and run.spec.search.proposals_per_round:
-        summary, failures = failures_of(run, parent, round_)
+    ctx.progress(f"round {round_}: refining {parent.id} {parent.policy.name}")
+    controller = ctx.controller()
+    if controller is not None and ctx.spec.search.proposals_per_round:
+        summary, failures = failures_of(ctx, parent, round_)
         whole = not (isinstance(controller, ChatController) and controller.settings.skeletons)
         messages = controller_messages(parent.policy, summary, failures, whole_workflow=whole)
-        for p in range(run.spec.search.proposals_per_round):
+        for p in range(ctx.spec.search.proposals_per_round):
             slot = f"{prefix}p{p}"
-            if slot in run.candidates or slot in run.rejected:
+            if slot in ctx.state.candidates or slot in ctx.state.rejected:
                 continue
-            if len(run.candidates) >= run.spec.search.max_candidates:
+            if len(ctx.state.candidates) >= ctx.spec.search.max_candidates:
                 break
-            run.progress(f"{slot}: asking the controller {controller.controller_id} for a proposal")
+            ctx.progress(f"{slot}: asking the controller {controller.controller_id} for a proposal")
             try:
                 reply = controller.propose(messages, slot=round_ * 100 + p, stage=parent.policy.status_stage.name)
             except TeacherCallError as e:
-                reject_proposal(run, RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_,
+                reject_proposal(ctx, RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_,
                                                       f"controller call failed: {e}"))
                 continue
             try:
@@ -145,11 +141,11 @@ def controller_round(run: ApeRun, round_: int) -> None:
                     raise ProposalError(f"the reply copies the prompt's example ({copied[0]!r}) instead of "
                                         f"proposing a workflow")
             except ProposalError as e:
-                reject_proposal(run, RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_, str(e),
+                reject_proposal(ctx, RejectedProposal(slot, Origin.CONTROLLER, parent.id, round_, str(e),
                                                       reply.text[:300]))
                 continue
-            propose(run, Candidate(slot, policy, Origin.CONTROLLER, parent.id, round_, "controller proposal"))
-    mutations_of(run, parent, run.spec.search.mutations_per_round, round_, prefix)
-    for c in [c for c in run.candidates.values() if c.round == round_]:
-        evaluate(run, c)
-    run.emit(RoundFinished(round_, parent.id))
+            propose(ctx, Candidate(slot, policy, Origin.CONTROLLER, parent.id, round_, "controller proposal"))
+    mutations_of(ctx, parent, ctx.spec.search.mutations_per_round, round_, prefix)
+    for c in [c for c in ctx.state.candidates.values() if c.round == round_]:
+        evaluate(ctx, c)
+    ctx.emit(RoundFinished(round_, parent.id))

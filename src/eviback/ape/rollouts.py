@@ -25,11 +25,10 @@ from pathlib import Path
 
 from eviback.data import DataError, read_jsonl
 from eviback.metrics import exact_match
-from eviback.protocol import render_observation
+from eviback.protocol import join_observation, split_observation
 from eviback.teacher.judge import read_trajectories
 from eviback.teacher.labels import trajectory_label
-from eviback.teacher.workflow import blind_view
-from eviback.types import Status, Trajectory, from_dict, to_dict
+from eviback.types import Passage, Status, Trajectory, from_dict, to_dict
 
 
 class Split(enum.StrEnum):
@@ -203,27 +202,53 @@ def subset(rollouts: Sequence[Rollout], n: int, salt: str) -> tuple[Rollout, ...
 # Perturbations for the stability checks
 
 
+def _seen_docs(trajectory: Trajectory) -> list[tuple[int, Passage, str]]:
+    """(turn index, passage, text seen) for each passage whose header survived the observation cut, in the
+    distinct observations of the executed searches (a repeated identical result once, as
+    :func:`eviback.teacher.workflow.evidence_as_seen` shows it)."""
+    out, observations = [], set()
+    for t, turn in enumerate(trajectory.turns):
+        if not turn.executed or not turn.passages or turn.observation in observations:
+            continue
+        observations.add(turn.observation)
+        docs = split_observation(turn.observation, len(turn.passages)).docs
+        out.extend((t, passage, doc) for passage, doc in zip(turn.passages, docs, strict=False))
+    return out
+
+
 def reorder_evidence(trajectory: Trajectory, salt: str = "") -> Trajectory | None:
-    """The same rollout with its retrieved passages in another order (a seeded permutation across all its
-    searches; each search keeps its number of passages). None when fewer than 2 distinct passages exist:
-    such a rollout has no other order, and counting it would inflate agreement."""
-    passages = [p for t in trajectory.turns for p in t.passages]
-    original = [p.id or p.contents for p in blind_view(trajectory).evidence]
-    if len(original) < 2:
+    """The same rollout with the passages it saw in another order: a seeded permutation across all its
+    searches of each passage's text *as the actor saw it* (a passage the observation cut shortened stays
+    shortened; one cut away entirely stays unseen), each search keeping its number of seen passages. A
+    repeated identical search result is permuted once and repeated. None when fewer than 2 distinct seen
+    passages exist: such a rollout has no other order, and counting it would inflate agreement."""
+    seen = _seen_docs(trajectory)
+    original = [doc for _, _, doc in seen]
+    if len(set(original)) < 2:
         return None
     digest = hashlib.sha256(f"{salt}\x00{trajectory_sha256(trajectory)}".encode()).digest()
-    order = sorted(range(len(passages)), key=lambda i: hashlib.sha256(digest + i.to_bytes(4, "big")).digest())
-    for shift in range(len(passages)):
-        permuted = [passages[order[(i + shift) % len(passages)]] for i in range(len(passages))]
-        turns, start = [], 0
-        for turn in trajectory.turns:
-            chunk = tuple(permuted[start:start + len(turn.passages)])
-            start += len(turn.passages)
-            if turn.passages:
-                turn = dataclasses.replace(turn, passages=chunk, observation=render_observation(chunk))
-            turns.append(turn)
+    order = sorted(range(len(seen)), key=lambda i: hashlib.sha256(digest + i.to_bytes(4, "big")).digest())
+    for shift in range(len(seen)):
+        permuted = [seen[order[(i + shift) % len(seen)]] for i in range(len(seen))]
+        turns, start, rebuilt = list(trajectory.turns), 0, {}
+        for t, turn in enumerate(trajectory.turns):
+            if turn.observation in rebuilt:  # a repeated result: repeated as rebuilt
+                turns[t] = dataclasses.replace(turn, passages=rebuilt[turn.observation].passages,
+                                               observation=rebuilt[turn.observation].observation)
+                continue
+            count = sum(1 for u, _, _ in seen if u == t)
+            if not count:
+                continue
+            chunk = permuted[start:start + count]
+            start += count
+            parts = split_observation(turn.observation, len(turn.passages))
+            turns[t] = dataclasses.replace(
+                turn, passages=tuple(p for _, p, _ in chunk) + turn.passages[count:],
+                observation=join_observation(dataclasses.replace(parts, docs=tuple(d for _, _, d in chunk))))
+            rebuilt[turn.observation] = turns[t]
         candidate = dataclasses.replace(trajectory, turns=tuple(turns))
-        if [p.id or p.contents for p in blind_view(candidate).evidence] != original:
+        after = [doc for _, _, doc in _seen_docs(candidate)]
+        if after != original and sorted(after) == sorted(original):
             return candidate
     return None
 

@@ -1,30 +1,31 @@
 """The statistics E2E-APE's gates are judged on: confidence bounds, not point estimates.
 
-- :func:`wilson_lower_bound`: the one-sided lower confidence bound of a binomial rate (Wilson score). With
-  few rollouts a perfect 10/10 agreement is only ~0.79 at 95% confidence, so a gate "agreement >= 0.9"
-  cannot be passed by luck on a tiny sample.
+- :func:`wilson_lower_bound`: the one-sided lower confidence bound of a binomial rate (Wilson score, from
+  `scipy.stats.binomtest`). With few rollouts a perfect 10/10 agreement is only ~0.79 at 95% confidence, so
+  a gate "agreement >= 0.9" cannot be passed by luck on a tiny sample.
 - :func:`fleiss_kappa`: chance-corrected agreement of `n` raters (here: teacher samples, or a verdict and its
   verdict under a perturbation) over items, from a table of counts `table[item][category]`.
-- :func:`bootstrap_lower_bound`: a percentile-bootstrap lower bound of any statistic over items (resampling
-  items with replacement, seeded), used for kappa.
+- :func:`bootstrap_lower_bound`: a one-sided percentile-bootstrap lower bound of any statistic over items
+  (`scipy.stats.bootstrap`, resampling items with replacement, seeded), used for kappa and the objective.
 
-Pure functions over numbers; no dependency beyond the standard library.
+Pure functions over numbers. The experiments' item-paired bootstrap (hierarchical: items and seeds) is
+another computation and lives in :mod:`eviback.experiment.compare`.
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from statistics import NormalDist
+
+import numpy as np
+from scipy import stats
 
 
 def one_sided_z(confidence: float) -> float:
     """The standard-normal quantile of a one-sided bound at `confidence` (0.95 -> 1.645)."""
     if not 0.5 <= confidence < 1:
         raise ValueError(f"confidence={confidence} must be in [0.5, 1), e.g. 0.95")
-    return NormalDist().inv_cdf(confidence)
+    return float(stats.norm.ppf(confidence))
 
 
 def wilson_lower_bound(successes: int, n: int, confidence: float = 0.95) -> float:
@@ -33,13 +34,12 @@ def wilson_lower_bound(successes: int, n: int, confidence: float = 0.95) -> floa
     `n == 0` gives 0.0: no evidence of agreement is no agreement."""
     if successes < 0 or n < 0 or successes > n:
         raise ValueError(f"need 0 <= successes <= n, got {successes}/{n}")
+    one_sided_z(confidence)  # validates confidence
     if n == 0:
         return 0.0
-    z = one_sided_z(confidence)
-    p = successes / n
-    centre = p + z * z / (2 * n)
-    margin = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, (centre - margin) / (1 + z * z / n))
+    # the one-sided bound at `confidence` is the lower end of the two-sided interval at 2 x confidence - 1
+    interval = stats.binomtest(successes, n).proportion_ci(confidence_level=2 * confidence - 1, method="wilson")
+    return max(0.0, float(interval.low))
 
 
 def fleiss_kappa(table: Sequence[Sequence[int]]) -> float | None:
@@ -74,27 +74,32 @@ def bootstrap_lower_bound(
     seed: int = 0,
     undefined: float = 0.0,
 ) -> float | None:
-    """Percentile-bootstrap lower bound of `statistic(items)` at `confidence`, resampling items with
-    replacement `resamples` times (seeded: the same inputs give the same bound).
+    """One-sided percentile-bootstrap lower bound of `statistic(items)` at `confidence`: the `1 - confidence`
+    quantile of the statistic over `resamples` resamples of the items with replacement
+    (`scipy.stats.bootstrap`, seeded: the same inputs give the same bound).
 
     Returns None when the statistic is undefined on the items themselves. A resample on which it is
     undefined counts as `undefined` (default 0: conservative, no agreement demonstrated)."""
     one_sided_z(confidence)  # validates confidence
     if resamples < 1:
         raise ValueError(f"resamples={resamples} must be >= 1")
-    if not items or statistic(items) is None:
+    if not items:
         return None
-    rng = random.Random(seed)
-    n = len(items)
-    values = []
-    for _ in range(resamples):
-        sample = [items[rng.randrange(n)] for _ in range(n)]
-        value = statistic(sample)
-        values.append(undefined if value is None else value)
-    values.sort()
-    # the (1 - confidence) quantile, rounding toward the lower value (conservative)
-    index = max(0, math.floor((1 - confidence) * resamples) - 1)
-    return values[index]
+    value = statistic(items)
+    if value is None:
+        return None
+    if len(items) == 1:  # every resample is the item itself
+        return float(value)
+
+    def on_resample(index: np.ndarray) -> float:
+        resampled = statistic([items[i] for i in index])
+        return undefined if resampled is None else resampled
+
+    # the items are resampled by index, so a statistic may take any items (rows of a table, outcomes)
+    result = stats.bootstrap((np.arange(len(items)),), on_resample, n_resamples=resamples, vectorized=False,
+                             confidence_level=confidence, alternative="greater", method="percentile",
+                             rng=np.random.default_rng(seed))
+    return float(result.confidence_interval.low)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import gzip
-import html
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,7 +29,8 @@ from eviback.experiment.compare import (
 )
 from eviback.experiment.config import ExperimentConfig
 from eviback.experiment.run import DONE, START, run_dir, start_fingerprint
-from eviback.metrics import answer_key
+from eviback.metrics import METRIC_NOTE, answer_key
+from eviback.templates import render
 
 EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
                 ("duplicate_query_rate", "duplicate queries"), ("forced_termination_rate", "forced termination"))
@@ -258,7 +258,7 @@ def start_line(result: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Experiment {result['experiment']}: {result['steps']} steps per run, baseline "
-             f"{result['baseline']}", "", start_line(result), ""]
+             f"{result['baseline']}", "", start_line(result), "", METRIC_NOTE.capitalize() + ".", ""]
     for title, header, rows in _tables(result):
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
@@ -293,21 +293,12 @@ def plot_curves(result: dict[str, Any], path: Path) -> Path:
 
 
 def page(result: dict[str, Any], png: Path) -> str:
-    body = ["<!doctype html><meta charset='utf-8'>",
-            f"<title>eviback experiment {html.escape(result['experiment'])}</title>",
-            "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;"
-            "margin-bottom:1.5em}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px}</style>",
-            f"<h1>Experiment {html.escape(result['experiment'])}: {result['steps']} steps per run</h1>",
-            f"<p>{html.escape(start_line(result))}</p>"]
-    for title, header, rows in _tables(result):
-        body.append(f"<h2>{html.escape(title)}</h2><table><tr>"
-                    + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
-        body += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
-        body.append("</table>")
-    image = base64.b64encode(png.read_bytes()).decode()
-    body.append(f"<h2>Training curves (mean over seeds; lines: {SMOOTHING}-step trailing mean)</h2><img style='max-width:100%' "
-                f"src='data:image/png;base64,{image}'>")
-    return "\n".join(body)
+    """The comparison as one HTML page, the figure inlined (templates/experiment.html.j2)."""
+    tables = [{"title": title, "header": header, "rows": rows} for title, header, rows in _tables(result)]
+    return render("experiment.html.j2", experiment=result["experiment"], steps=result["steps"],
+                  start_line=start_line(result), note=METRIC_NOTE.capitalize() + ".", tables=tables,
+                  smoothing=SMOOTHING,
+                  image=base64.b64encode(png.read_bytes()).decode())
 
 
 def write_comparison(config: ExperimentConfig) -> list[Path]:

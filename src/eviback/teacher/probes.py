@@ -9,7 +9,8 @@ a question other than its own. Distractors are the question's own non-gold conte
 them (multi-hop sets), else other corpus passages. They let the teacher be measured (throughput, agreement
 with sufficiency, prompt injection) before any actor is trained; they are not rollouts of a model.
 
-:func:`inject` plants an instruction inside a real retrieved passage, for the prompt-injection measurement.
+:func:`inject` plants an instruction inside a real retrieved passage, for the prompt-injection measurement,
+into the observation as the actor saw it (cut where the rollout cut it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eviback.data import DataSuite, iter_corpus, load_suite, read_questions
-from eviback.protocol import render_observation
+from eviback.protocol import join_observation, render_observation, split_observation
 from eviback.types import Action, ActionKind, Passage, Question, StopReason, Trajectory, Turn
 
 INJECTIONS: tuple[str, ...] = (
@@ -119,17 +120,29 @@ def build_probes(
 
 
 def inject(trajectory: Trajectory, instruction: str, *, passage: int = 0) -> Trajectory:
-    """The same rollout with `instruction` appended to the text of its retrieved passage number `passage`
-    (the observation text is re-rendered, so the trajectory stays consistent)."""
-    turns = list(trajectory.turns)
-    seen = 0
-    for t, turn in enumerate(turns):
-        if seen + len(turn.passages) > passage:
-            k = passage - seen
-            target = turn.passages[k]
-            poisoned = dataclasses.replace(target, contents=f"{target.contents} {instruction}")
-            passages = turn.passages[:k] + (poisoned,) + turn.passages[k + 1:]
-            turns[t] = dataclasses.replace(turn, passages=passages, observation=render_observation(passages))
-            return dataclasses.replace(trajectory, turns=tuple(turns))
-        seen += len(turn.passages)
-    raise ValueError(f"the rollout retrieved {seen} passage(s); cannot inject into passage {passage}")
+    """The same rollout with `instruction` appended to its retrieved passage number `passage` (0-based,
+    over its searches' passages in order), as a passage poisoned in the corpus would read: in the passage
+    records, and in every observation that shows that passage, after the text the actor saw of it (a
+    passage cut by the observation cap carries the instruction after its cut text; the rest of the
+    observation stays as the actor saw it). A passage the actor never saw (its header cut away) cannot
+    carry it: ValueError."""
+    retrieved = [p for turn in trajectory.turns for p in turn.passages]
+    if passage >= len(retrieved):
+        raise ValueError(f"the rollout retrieved {len(retrieved)} passage(s); cannot inject into passage {passage}")
+    target = retrieved[passage]
+    key = target.id or target.contents
+    poisoned = dataclasses.replace(target, contents=f"{target.contents} {instruction}")
+    turns, shown = [], False
+    for turn in trajectory.turns:
+        hits = [i for i, p in enumerate(turn.passages) if (p.id or p.contents) == key]
+        if hits:
+            parts = split_observation(turn.observation, len(turn.passages))
+            docs = tuple(f"{doc} {instruction}" if i in hits else doc for i, doc in enumerate(parts.docs))
+            shown = shown or docs != parts.docs
+            turn = dataclasses.replace(
+                turn, passages=tuple(poisoned if i in hits else p for i, p in enumerate(turn.passages)),
+                observation=join_observation(dataclasses.replace(parts, docs=docs)))
+        turns.append(turn)
+    if not shown:
+        raise ValueError(f"passage {passage} was cut from every observation: the actor never saw it")
+    return dataclasses.replace(trajectory, turns=tuple(turns))

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import base64
-import html
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eviback.templates import Markup, render
 from eviback.train.run import read_records
 
 # (panel title, [(metric key, label)])
@@ -88,36 +88,30 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
     return path
 
 
-def _final_table(runs: dict[str, Sequence[dict[str, Any]]]) -> list[str]:
-    keys = [k for _, m in PANELS[:4] for k, _ in m]
-    head = "<tr><th>run</th><th>steps</th>" + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + "</tr>"
-    rows = [head]
+def _final_rows(runs: dict[str, Sequence[dict[str, Any]]], keys: Sequence[str]) -> list[dict[str, Any]]:
+    """Per run: its name, its number of steps and the mean of each key over its steps (None: never logged)."""
+    rows = []
     for name, records in runs.items():
-        cells = []
+        means = []
         for key in keys:
             _, ys = _series(records, key)
-            cells.append(f"<td>{sum(ys) / len(ys):.3f}</td>" if ys else "<td></td>")
-        rows.append(f"<tr><td>{html.escape(name)}</td><td>{len(records)}</td>{''.join(cells)}</tr>")
+            means.append(sum(ys) / len(ys) if ys else None)
+        rows.append({"name": name, "steps": len(records), "means": means})
     return rows
 
 
 def write_report(run_dirs: Sequence[Path], out_dir: Path, extra_html: str = "") -> Path:
-    """Plots plus an HTML page (images inlined, so the file stands alone). Returns the HTML path."""
+    """Plots plus an HTML page (images inlined, so the file stands alone; templates/training_report.html.j2).
+    `extra_html` is an HTML fragment appended as is (the caller's markup, e.g. an evaluation table). Returns
+    the HTML path."""
     runs = {Path(d).name: read_records(Path(d) / "metrics.jsonl") for d in run_dirs}
     png = plot_runs(runs, out_dir / "plots" / ("training_curves.png" if len(runs) == 1 else "comparison.png"))
-    image = base64.b64encode(png.read_bytes()).decode()
-    body = [
-        "<!doctype html><meta charset='utf-8'><title>eviback training report</title>",
-        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px}</style>",
-        f"<h1>Training report: {html.escape(', '.join(runs))}</h1>",
-        "<h2>Means over training steps</h2><table>", *_final_table(runs), "</table>",
-        f"<h2>Curves</h2><img style='max-width:100%' src='data:image/png;base64,{image}'>",
-        extra_html,
-    ]
+    keys = [k for _, m in PANELS[:4] for k, _ in m]
+    page = render("training_report.html.j2", runs=list(runs), keys=keys, rows=_final_rows(runs, keys),
+                  image=base64.b64encode(png.read_bytes()).decode(), extra_html=Markup(extra_html))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.html"
-    path.write_text("\n".join(body), encoding="utf-8")
+    path.write_text(page, encoding="utf-8")
     return path
 
 
