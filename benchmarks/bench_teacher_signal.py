@@ -75,7 +75,7 @@ def diversity(groups: list[list], labels: list[Status]) -> dict:
     """Mean distinct queries, evidence sets and labels per judged group (what a group could tell apart)."""
     at, queries, evidence, kinds = 0, [], [], []
     for g in groups:
-        queries.append(len({tuple(turn.action.query for turn in t.turns if turn.executed) for t in g}))
+        queries.append(len({tuple(turn.action.content for turn in t.turns if turn.executed) for t in g}))
         evidence.append(len({tuple(e.text for e in evidence_as_seen(t)) for t in g}))
         kinds.append(len(set(labels[at: at + len(g)])))
         at += len(g)
