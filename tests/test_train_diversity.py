@@ -45,7 +45,8 @@ def test_distinct_queries_evidence_rewards_and_statuses_of_a_group():
     ))
     verdicts = [Verdict(S, reward=1.0), Verdict(S, reward=1.0), Verdict(I, reward=0.0), Verdict(I, reward=0.0)]
     d = group_diversity(group, [1.0, 1.0, 0.0, 0.0], verdicts)
-    assert d == GroupDiversity(rollouts=4, queries=3, evidence=3, rewards=2, statuses=2)
+    # labels: the first two saw the answer (S), the last two did not (I)
+    assert d == GroupDiversity(rollouts=4, queries=3, evidence=3, rewards=2, statuses=2, labels=2)
 
 
 def test_a_group_of_identical_rollouts_has_one_of_everything():
@@ -70,9 +71,10 @@ def test_statuses_only_for_groups_judged_without_error():
 
 
 def test_step_metrics_average_over_the_all_zero_groups():
-    metrics = diversity_metrics([GroupDiversity(5, 1, 2, 1, 1), GroupDiversity(5, 3, 4, 2, None)])
+    metrics = diversity_metrics([GroupDiversity(5, 1, 2, 1, 1, 1), GroupDiversity(5, 3, 4, 2, None, 2)])
     assert metrics == {"backoff/all_zero_distinct_queries": 2.0, "backoff/all_zero_distinct_evidence": 3.0,
-                       "backoff/all_zero_distinct_rewards": 1.5, "backoff/all_zero_distinct_statuses": 1.0}
+                       "backoff/all_zero_distinct_rewards": 1.5, "backoff/all_zero_distinct_statuses": 1.0,
+                       "backoff/all_zero_distinct_labels": 1.5}
     assert set(diversity_metrics([]).values()) == {None}
 
 
@@ -97,3 +99,23 @@ def test_a_step_logs_the_diversity_of_its_all_zero_groups_next_to_the_informativ
     assert record["backoff/all_zero_distinct_rewards"] == 1.5
     assert record["backoff/all_zero_distinct_statuses"] is None  # no teacher in f1-fallback
     assert record["backoff/fallback_reward_mean"] == pytest.approx(0.125) and record["teacher/reward_mean"] is None
+
+
+def test_a_step_counts_stage_a_as_a_gate_against_the_evidence_labels():
+    """Stage A's verdicts on the judged rollouts, against what the rollouts saw: I evidence closed, S/A open."""
+    from eviback.backoff import BackoffConfig, group_advantages
+    from eviback.rollout import RolloutBatch
+    from eviback.train.grpo import StepOutcome, step_metrics
+
+    group = Group(Q, (rollout(("Eiffel Tower", (P1,))), rollout(("Louvre", (P2,)), index=1),
+                      rollout(("Paris", (P3,)), index=2)))  # S, I, I evidence; all answer 1900 (EM 0)
+    verdicts = (Verdict(S, stage_a_status=S, reward=0.0), Verdict(I, stage_a_status=I, reward=0.0),
+                Verdict(S, stage_a_status=A, reward=0.0))  # the third: I evidence let through
+    config = BackoffConfig()
+    outcome = StepOutcome(step=1, batch=RolloutBatch((group,), (), 1.0),
+                          outcomes=(group_advantages([0, 0, 0], verdicts, config),), verdicts=(verdicts,),
+                          teacher_s=0.0, sync_s=0.0)
+    record = step_metrics(outcome, config)
+    assert (record["teacher/gate_label_i"], record["teacher/gate_closed_on_i"]) == (2, 1)
+    assert (record["teacher/gate_label_open"], record["teacher/gate_open_on_open"]) == (1, 1)
+    assert record["backoff/all_zero_distinct_labels"] == 2.0

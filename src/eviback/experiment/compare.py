@@ -156,6 +156,8 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
 
     fallback = sum(r.get("backoff/fallback_groups", 0) for r in records)
     informative = sum(r.get("backoff/informative_fallback_groups", 0) for r in records)
+    gate = {k: sum(r.get(f"teacher/{k}", 0) for r in records)
+            for k in ("gate_label_i", "gate_closed_on_i", "gate_label_open", "gate_open_on_open")}
     return {
         "runs": len(runs), "steps": max((len(run) for run in runs), default=0),
         "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "teacher_s": mean("time/teacher"),
@@ -170,6 +172,12 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         "teacher_status": {st: sum(r.get(f"teacher/status_{st}", 0) for r in records) for st in ("S", "A", "I")},
         "stage_b_runs": sum(r.get("teacher/stage_b_runs", 0) for r in records),
         "stage_b_ungrounded": sum(r.get("teacher/stage_b_ungrounded", 0) for r in records),
+        # Stage A as a gate against the evidence labels: I evidence closed, S/A evidence let through (NaN
+        # without both kinds, or for runs logged before these counts existed)
+        "gate_balanced_accuracy": ((gate["gate_closed_on_i"] / gate["gate_label_i"]
+                                    + gate["gate_open_on_open"] / gate["gate_label_open"]) / 2
+                                   if gate["gate_label_i"] and gate["gate_label_open"] else float("nan")),
+        "distinct_labels": mean("backoff/all_zero_distinct_labels"),
         # the machine under the run (train/gauges.py; NaN for runs logged before these gauges existed)
         "cpu_s": mean("time/cpu"), "other_cpu_s": mean("host/other_cpu_s"), "steal_share": mean("host/steal_share"),
         "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)

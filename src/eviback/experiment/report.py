@@ -228,12 +228,15 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
         "teacher judged", "teacher errors", "teacher tokens / judged"], cost))
     verdicts = [[a, str(t["teacher_judged"]), str(t["stage_b_runs"]), str(t["stage_b_ungrounded"]),
                  " / ".join(str(t["teacher_status"][st]) for st in ("S", "A", "I")), str(t["teacher_errors"]),
-                 f"{t['informative_fallback_groups']} / {t['fallback_groups']}"]
+                 f"{t['informative_fallback_groups']} / {t['fallback_groups']}",
+                 _f(t.get("gate_balanced_accuracy", float("nan")), 2), _f(t.get("distinct_labels", float("nan")), 2)]
                 for a, r in result["arms"].items() if (t := r["training"])["teacher_judged"]]
     if verdicts:
         tables.append(("What the teacher said (sums over steps and seeds)", [
             "arm", "rollouts judged", "Stage A not I (Stage B ran)", "Stage B lowered to I (answer not in the "
-            "evidence)", "final S / A / I", "teacher errors", "informative / fallback groups"], verdicts))
+            "evidence)", "final S / A / I", "teacher errors", "informative / fallback groups",
+            "Stage A gate balanced accuracy (I vs not-I, against evidence labels)",
+            "distinct evidence labels per all-zero group"], verdicts))
     machine = [[a, _f(r["training"]["step_s"], 1), _f(r["training"]["cpu_s"], 1),
                 _f(r["training"]["cpu_s"] / r["training"]["step_s"], 2) if r["training"]["step_s"] else "",
                 _f(r["training"]["other_cpu_s"], 1), _f(r["training"]["steal_share"], 3)]

@@ -8,6 +8,8 @@ without a verified hit, :func:`group_diversity` counts how many different values
   ``eviback.teacher.workflow.evidence_as_seen``);
 - `rewards`: the reward its advantage was computed from (the teacher's hybrid reward, the F1 of
   `f1-fallback`, or EM 0 without a fallback);
+- `labels`: the evidence label of what a rollout saw (S/A/I, computed from the gold by
+  ``eviback.teacher.labels``: a diagnostic, never a reward): the variation a perfect evidence judge could see;
 - `statuses`: the teacher's final status (only for a group judged without error; else None).
 
 1 means every rollout of the group is alike in that respect; G, that all differ. A run whose all-zero groups
@@ -34,7 +36,8 @@ class GroupDiversity:
     queries: int
     evidence: int
     rewards: int
-    statuses: int | None = None  # None: the group was not judged, or a verdict is a teacher error
+    statuses: int | None = None
+    labels: int = 1  # None: the group was not judged, or a verdict is a teacher error
 
 
 def group_diversity(
@@ -44,6 +47,8 @@ def group_diversity(
     the teacher's when it was judged."""
     if len(rewards) != len(group.trajectories):
         raise ValueError(f"{len(rewards)} rewards for a group of {len(group.trajectories)} rollouts")
+    from eviback.teacher.labels import trajectory_label
+
     queries = {frozenset(normalize_answer(q) for q in t.queries) for t in group.trajectories}
     evidence = set()
     for t in group.trajectories:
@@ -55,7 +60,8 @@ def group_diversity(
     if verdicts and not any(v.teacher_error for v in verdicts):
         statuses = len({v.status for v in verdicts})
     return GroupDiversity(rollouts=len(group.trajectories), queries=len(queries), evidence=len(evidence),
-                          rewards=len(set(rewards)), statuses=statuses)
+                          rewards=len(set(rewards)), statuses=statuses,
+                          labels=len({trajectory_label(t) for t in group.trajectories}))
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -70,5 +76,6 @@ def diversity_metrics(diversities: Sequence[GroupDiversity]) -> dict[str, Any]:
         "backoff/all_zero_distinct_queries": _mean([d.queries for d in diversities]),
         "backoff/all_zero_distinct_evidence": _mean([d.evidence for d in diversities]),
         "backoff/all_zero_distinct_rewards": _mean([d.rewards for d in diversities]),
+        "backoff/all_zero_distinct_labels": _mean([d.labels for d in diversities]),
         "backoff/all_zero_distinct_statuses": _mean(judged),
     }

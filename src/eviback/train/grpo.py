@@ -572,6 +572,7 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
     }
     for status in Status:
         record[f"teacher/status_{status.value}"] = sum(st is status for st in statuses)
+    record.update(gate_counts(outcome))
     rewards = [r for o in outcome.outcomes if o.kind is GroupKind.FALLBACK for r in o.rewards]
     record["backoff/fallback_reward_mean"] = sum(rewards) / len(rewards) if rewards else None
     judged_rewards = [r for o, vs in zip(outcome.outcomes, outcome.verdicts, strict=True)
@@ -583,6 +584,30 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
         for g, o, vs in zip(batch.groups, outcome.outcomes, outcome.verdicts, strict=True)
         if not has_verified_hit(o.em, backoff)]))
     return record
+
+
+def gate_counts(outcome: StepOutcome) -> dict[str, int]:
+    """Stage A as a gate, against the evidence labels of the rollouts it judged (computed from the gold; a
+    diagnostic, never a reward): `teacher/gate_label_i` rollouts whose evidence is I, of which
+    `teacher/gate_closed_on_i` Stage A called I; `teacher/gate_label_open` rollouts whose evidence is S or A,
+    of which `teacher/gate_open_on_open` Stage A let through. Summed over a run, the gate's balanced
+    accuracy is the mean of the two rates (a step holds too few rollouts for a rate of its own)."""
+    from eviback.teacher.labels import trajectory_label
+
+    counts = {"teacher/gate_label_i": 0, "teacher/gate_closed_on_i": 0, "teacher/gate_label_open": 0,
+              "teacher/gate_open_on_open": 0}
+    for group, verdicts in zip(outcome.batch.groups, outcome.verdicts, strict=True):
+        for t, v in zip(group.trajectories, verdicts or (), strict=False):
+            if v.teacher_error or v.stage_a_status is None:
+                continue
+            closed = v.stage_a_status is Status.INSUFFICIENT
+            if trajectory_label(t) is Status.INSUFFICIENT:
+                counts["teacher/gate_label_i"] += 1
+                counts["teacher/gate_closed_on_i"] += closed
+            else:
+                counts["teacher/gate_label_open"] += 1
+                counts["teacher/gate_open_on_open"] += not closed
+    return counts
 
 
 def group_records(outcome: StepOutcome) -> list[dict[str, Any]]:

@@ -39,6 +39,7 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("All-zero groups: distinct per group", [("backoff/all_zero_distinct_queries", "query sets"),
                                              ("backoff/all_zero_distinct_evidence", "evidence sets"),
                                              ("backoff/all_zero_distinct_rewards", "rewards"),
+                                             ("backoff/all_zero_distinct_labels", "evidence labels"),
                                              ("backoff/all_zero_distinct_statuses", "teacher statuses")]),
 ]
 
