@@ -94,8 +94,8 @@ def test_the_build_uses_single_passages_and_balances_each_kind_of_question(judge
     counts = json.loads((judge.path / "judge.json").read_text())["counts"]
     assert counts["train_by_source"].get("passage", 0) > 0
     for kind, labels in counts["train_balanced_by_kind"].items():
-        if labels:  # within a kind, no label exceeds 1.5 x the rarest
-            assert max(labels.values()) <= int(min(labels.values()) * 1.5), kind
+        if labels:  # within a kind, every label as often as the rarest (balance_ratio 1)
+            assert max(labels.values()) == min(labels.values()), kind
 
 
 def test_ape_takes_the_trained_judge_as_a_seed_and_refines_prompts_only(judge, tmp_path):

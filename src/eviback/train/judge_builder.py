@@ -97,7 +97,7 @@ class EvidenceJudgeConfig:
     passages_per_question: int = _help("retrieved passages of a question also used alone as evidence (each its "
                                        "own example: what one passage does and does not state)", default=4)
     balance_ratio: float = _help("within single-hop and within multi-hop questions, each label is capped at the "
-                                 "smallest label's count times this", default=1.5)
+                                 "smallest label's count times this", default=1.0)
     heldout_share: float = _help("share of the training questions held out to report the judge's accuracy",
                                  default=0.15)
     threshold: float = _help("a passage judge calls the evidence I when no passage's P(relevant) reaches this",
