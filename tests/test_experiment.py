@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -236,10 +237,9 @@ def test_shipped_experiment_files_are_valid(name):
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie waiting for a reaper counts as gone)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False
-    return state not in ("Z", "X")
 
 
 def test_stopping_the_experiment_stops_the_run_in_progress_and_what_it_started(tmp_path):
