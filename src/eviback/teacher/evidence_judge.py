@@ -149,7 +149,8 @@ class EvidenceJudge:
 def seen_trajectory(question: Question, passages: Sequence[Passage], tokenizer, max_obs_tokens: int) -> Trajectory:  # noqa: ANN001
     """A one-search rollout whose observation is `passages` rendered and cut as the rollout engine does."""
     from eviback.protocol import render_observation
-    from eviback.train.warmstart_data import cap_observation, search_query
+    from eviback.queries import search_query
+    from eviback.train.warmstart_data import cap_observation
 
     observation = cap_observation(render_observation(passages), tokenizer, max_obs_tokens)
     query = search_query(question)
@@ -170,8 +171,8 @@ def _example(question: Question, seen: Sequence[SeenEvidence], source: str) -> J
 def question_examples(question: Question, search: Callable[[str], list[Passage]], tokenizer,  # noqa: ANN001
                       max_obs_tokens: int, topk: int = 3, single_passages: int = 0) -> list[JudgeExample]:
     """The examples of one training question from real searches (see the module doc)."""
+    from eviback.queries import retry_query, search_query
     from eviback.teacher.workflow import answer_in_evidence
-    from eviback.train.warmstart_data import retry_query, search_query
 
     queries = [("search", search_query(question)), ("reformulated", retry_query(question))]
     if question.golden_answers:
@@ -249,11 +250,10 @@ def balance(examples: Sequence[JudgeExample], ratio: float, seed: int) -> list[J
 def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] = log.info,
                    retriever=None) -> tuple[list[JudgeExample], list[JudgeExample], dict[str, Any]]:  # noqa: ANN001
     """(training examples, held-out examples, counts): from the suite's training questions only."""
-    from eviback.data import load_suite
+    from eviback.data import check_no_eval_overlap, load_suite, read_training_questions
     from eviback.policy import load_tokenizer
+    from eviback.retrieval import open_retriever
     from eviback.teacher.judge import read_trajectories
-    from eviback.train.sft import open_retriever
-    from eviback.train.warmstart_data import check_no_eval_overlap, read_training_questions
 
     suite = load_suite(config.data)
     questions: list[Question] = read_training_questions(suite, config.train_files)

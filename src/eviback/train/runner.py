@@ -18,13 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eviback import dtype as dtypes
-from eviback.data import DataSuite, load_suite
+from eviback.data import load_suite, read_training_questions
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 
@@ -105,13 +104,6 @@ def teacher_is_oracle(config: TrainConfig) -> bool:
     from eviback.teacher import load_policy
 
     return load_policy(config.teacher).is_oracle
-
-
-def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
-    """The questions of the suite's training files (or the named ones), never an evaluation question."""
-    from eviback.train.warmstart_data import read_training_questions
-
-    return read_training_questions(suite, names)
 
 
 def initial_policy(config: TrainConfig) -> str:
@@ -259,7 +251,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
 
     from eviback.generation import BackendConfig, load_backend
     from eviback.policy import load_tokenizer
-    from eviback.retrieval import load_retriever, suite_retriever
+    from eviback.retrieval import open_retriever
     from eviback.rollout import RolloutConfig, RolloutEngine
     from eviback.train.gauges import cpu_gauges, cpu_snapshot, peak_rss_gb, process_gauges
     from eviback.train.grpo import (
@@ -296,8 +288,8 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     torch.manual_seed(config.seed)
 
     suite = load_suite(config.data)
-    questions = load_training_questions(suite, config.train_files)
-    retriever = load_retriever(config.retriever) if config.retriever else suite_retriever(suite)
+    questions = read_training_questions(suite, config.train_files)
+    retriever = open_retriever(config.retriever, suite)
     with state.main_process_first():  # one process builds the cached warm start, the others reuse it
         policy_path = initial_policy(config)
     if main:
