@@ -130,7 +130,8 @@ def test_runs_go_seed_by_seed_and_settings_layer_in_order():
     config = parse_experiment(minimal(settings={"lam": 0.3}, baseline="grpo"))
     assert [(a.name, s) for a, s in config.runs()] == [("grpo", 0), ("eviback", 0), ("eviback", 1)]
     train = config.train_config(config.arm("eviback"), 1)
-    assert (train.mode, train.lam, train.seed, train.build_seed, train.max_steps) == ("eviback", 0.3, 1, 0, 2)
+    assert (train.backoff.mode, train.backoff.lam, train.seed, train.build_seed, train.max_steps) == \
+        ("eviback", 0.3, 1, 0, 2)
     assert (train.eval_benchmarks, train.eval_limit, train.eval_warm_start) == (["nq"], 2, False)
 
 

@@ -119,10 +119,11 @@ class RunDir:
             # A setting the earlier run's file does not name did not exist then: it ran with its default, or
             # with what the code did before the setting existed.
             defaults = {**type(config)().to_dict(), **EARLIER_BEHAVIOUR}
-            changed = {k for k, v in config.to_dict().items() if previous.get(k, defaults[k]) != v}
+            settings = config.to_dict()
+            changed = {k for k, v in settings.items() if previous.get(k, defaults[k]) != v}
             changed -= RESUMABLE_CHANGES
             if changed:
-                diffs = ", ".join(f"{k}: {previous.get(k)!r} -> {getattr(config, k)!r}" for k in sorted(changed))
+                diffs = ", ".join(f"{k}: {previous.get(k)!r} -> {settings[k]!r}" for k in sorted(changed))
                 raise ValueError(f"cannot resume {self.root} with a different configuration ({diffs})")
         self.config_path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         step = self.last_checkpoint_step()

@@ -11,6 +11,7 @@ logging every step; save the final policy; evaluate it on held-out questions; dr
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -80,19 +81,19 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
         return None
     from eviback.teacher import load_policy
 
-    policy = load_policy(config.teacher)
+    policy = load_policy(config.teacher.policy)
     violations = list(policy.boundary_violations())
-    if violations and not config.allow_leaky_teacher:
+    if violations and not config.teacher.allow_leaky:
         opt_in = ("the eviback-oracle preset does" if policy.is_oracle
                   else "the eviback-single-prompt preset does")
         raise ValueError(
-            f"teacher policy {config.teacher!r} (version {policy.short_version}) breaks the evidence boundary: "
+            f"teacher policy {config.teacher.policy!r} (version {policy.short_version}) breaks the evidence boundary: "
             f"{'; '.join(violations)}. EviBack needs a status stage that never sees the gold answers; to run "
             f"this policy on purpose as a baseline, set allow_leaky_teacher=true ({opt_in})")
     if policy.is_oracle:
         log.warning("teacher %r is an ORACLE: its status is the evidence label, computed from the gold answers. "
                     "This run measures the ceiling of teacher backoff, not a teacher", policy.name)
-    return {"policy": config.teacher, "name": policy.name, "version": policy.version,
+    return {"policy": config.teacher.policy, "name": policy.name, "version": policy.version,
             "boundary_compliant": not violations, "boundary_violations": violations,
             "allowed_leaky": bool(violations), "oracle": policy.is_oracle}
 
@@ -103,7 +104,7 @@ def teacher_is_oracle(config: TrainConfig) -> bool:
         return False
     from eviback.teacher import load_policy
 
-    return load_policy(config.teacher).is_oracle
+    return load_policy(config.teacher.policy).is_oracle
 
 
 def initial_policy(config: TrainConfig) -> str:
@@ -116,7 +117,8 @@ def initial_policy(config: TrainConfig) -> str:
 
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
-        max_examples=config.warm_start_examples, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+        max_examples=config.warm_start_examples, topk=config.rollout.topk,
+        max_obs_tokens=config.rollout.max_observation_tokens,
         seed=config.build_seed, dtype=config.dtype,
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
@@ -170,36 +172,35 @@ def load_policy_for_training(path: str, precision: Precision, resume_from: Path 
 
 
 def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherPolicy
-    """The teacher policy a run uses: `config.teacher`, except for a local teacher on the two-stage policy,
+    """The teacher policy a run uses: `config.teacher.policy`, except for a local teacher on the two-stage policy,
     whose Stage B is the extractive rule by default (`teacher_stage_b=extractive`: the two-stage-extractive
     policy, no model) and whose Stage A is the trained evidence judge by default (`teacher_stage_a=judge`:
     built from the run's training questions on first use, then cached). A served (http) teacher keeps the
     policy as named. `teacher_span_words` > 0 bounds every extractive stage at that many words."""
     from eviback.teacher import load_policy
 
-    if config.teacher_stage_a not in ("judge", "prompted"):
-        raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {config.teacher_stage_a!r}")
-    policy = load_policy(config.teacher)
-    if config.teacher_backend == "local" and config.teacher == "two-stage":
-        if config.teacher_stage_b == "extractive":
+    t = config.teacher
+    policy = load_policy(t.policy)
+    if t.backend == "local" and t.policy == "two-stage":
+        if t.stage_b == "extractive":
             policy = load_policy("two-stage-extractive")
             log.info("teacher: Stage B is the extractive span of the evidence the actor saw (teacher_stage_b="
                      "prompted keeps the LLM Stage B)")
-        if config.teacher_stage_a == "judge":
+        if t.stage_a == "judge":
             from eviback.teacher.evidence_judge import EvidenceJudgeConfig, build_judge, judge_policy
 
             judge = build_judge(EvidenceJudgeConfig(
-                data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
-                epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+                data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
+                epochs=t.judge_epochs, topk=config.rollout.topk, max_obs_tokens=config.rollout.max_observation_tokens,
                 seed=config.build_seed))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
             warn_if_uninformative(judge.path)
             policy = judge_policy(judge.sha256, base=policy)
-    if config.teacher_span_words:
+    if t.span_words:
         from eviback.teacher.extractive import with_max_words
 
-        policy = with_max_words(policy, config.teacher_span_words)
+        policy = with_max_words(policy, t.span_words)
     return policy
 
 
@@ -225,20 +226,28 @@ def warn_if_uninformative(judge_dir: Path, min_kappa: float = 0.1) -> bool:
     return True
 
 
+def teacher_config(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherConfig
+    """The teacher's own configuration, from the run's teacher settings."""
+    from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig
+    from eviback.teacher.local import LocalBackendConfig
+
+    t = config.teacher
+    return TeacherConfig(
+        policy=t.policy,
+        backend=t.backend,
+        local=LocalBackendConfig(model=t.model, dtype=config.dtype),
+        http=HttpBackendConfig(base_url=t.url, model="" if t.model == "smollm2-135m" else t.model)
+        if t.url else HttpBackendConfig(),
+        judge=JudgeConfig(concurrency=t.concurrency),
+    )
+
+
 def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
     if config.backoff.mode.value != "eviback":
         return None
-    from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig, build_teacher
-    from eviback.teacher.local import LocalBackendConfig
+    from eviback.teacher import build_teacher
 
-    return build_teacher(TeacherConfig(
-        policy=config.teacher,
-        backend=config.teacher_backend,
-        local=LocalBackendConfig(model=config.teacher_model, dtype=config.dtype),
-        http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
-                               else config.teacher_model) if config.teacher_url else HttpBackendConfig(),
-        judge=JudgeConfig(concurrency=config.teacher_concurrency),
-    ), policy=teacher_policy(config))
+    return build_teacher(teacher_config(config), policy=teacher_policy(config))
 
 
 def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:  # noqa: C901
@@ -252,7 +261,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     from eviback.generation import BackendConfig, load_backend
     from eviback.policy import load_tokenizer
     from eviback.retrieval import open_retriever
-    from eviback.rollout import RolloutConfig, RolloutEngine
+    from eviback.rollout import RolloutEngine
     from eviback.train.gauges import cpu_gauges, cpu_snapshot, peak_rss_gb, process_gauges
     from eviback.train.grpo import (
         BehaviourCorrection,
@@ -309,21 +318,19 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
 
-    max_context = config.max_turn_tokens * (config.max_turns + 1) + config.max_obs_tokens * config.max_turns + 512
+    max_context = config.rollout.max_context_tokens
     # The engine holds its own copy of the policy, refreshed before each rollout step: the trainer's model
     # runs in training mode (and, on GPUs, with gradient checkpointing), which generation must not share.
     # Its KV cache is sized to one step's rollouts (train/memory.py) instead of vLLM's CPU default of 2 GiB.
     from eviback.train.memory import rollout_kv_cache_gib
 
-    kv_cache = rollout_kv_cache_gib(config.group_size * config.questions_per_step, max_context, policy_path,
+    kv_cache = rollout_kv_cache_gib(config.rollout.group_size * config.questions_per_step, max_context, policy_path,
                                     dtype.dtype)
     backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
                                          max_model_len=max(2048, max_context), kv_cache_gib=kv_cache))
-    engine = RolloutEngine(backend, retriever, RolloutConfig(
-        group_size=config.group_size, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
-        max_observation_tokens=config.max_obs_tokens, max_context_tokens=min(backend.max_context, max_context),
-        topk=config.topk, temperature=config.temperature, top_p=config.top_p,
-    ))
+    # The run's own rollout settings, with the context cap lowered to what the backend holds
+    engine = RolloutEngine(backend, retriever, dataclasses.replace(
+        config.rollout, max_context_tokens=min(backend.max_context, max_context)))
 
     start_summary = None
     if main and config.eval_benchmarks and config.eval_warm_start:
@@ -397,21 +404,21 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     state_processes = state.num_processes
     # On CPU one rollout per pass: the eviback preset's peak fell from 15.4 to 10.3 GB at the same update
     # time (results/update.md); on a GPU one group per pass keeps the matmuls large.
-    rows = config.micro_batch_rows or (config.group_size if torch.cuda.is_available() else 1)
+    rows = config.micro_batch_rows or (config.rollout.group_size if torch.cuda.is_available() else 1)
     args = GRPOConfig(
         output_dir=str(run.checkpoints),
         # One optimiser step per generation batch (questions_per_step groups), scored in micro-batches of
         # `rows` rollouts.
         per_device_train_batch_size=rows,
-        gradient_accumulation_steps=config.questions_per_step * config.group_size // rows,
-        num_generations=config.group_size,
+        gradient_accumulation_steps=config.questions_per_step * config.rollout.group_size // rows,
+        num_generations=config.rollout.group_size,
         max_steps=config.max_steps,
         learning_rate=config.learning_rate,
         lr_scheduler_type="constant",
         beta=config.beta,
         loss_type=config.loss_type,
-        temperature=config.temperature,  # TRL scales logits by it when computing log-probabilities
-        top_p=config.top_p,
+        temperature=config.rollout.temperature,  # TRL scales logits by it when computing log-probabilities
+        top_p=config.rollout.top_p,
         max_completion_length=max_context,
         max_grad_norm=config.max_grad_norm,
         save_strategy="steps",
@@ -488,9 +495,8 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **ove
     return EvalConfig(
         out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
         model=model, backend=config.backend, dtype=dtypes.resolve(config.dtype), retriever=config.retriever,
-        topk=config.topk,
-        max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
-        max_observation_tokens=config.max_obs_tokens, **overrides,
+        topk=config.rollout.topk, max_turns=config.rollout.max_turns, max_turn_tokens=config.rollout.max_turn_tokens,
+        max_observation_tokens=config.rollout.max_observation_tokens, **overrides,
     )
 
 
