@@ -165,6 +165,40 @@ def test_each_setting_has_one_field_and_keeps_its_name():
     assert config.with_settings(lam=0.2).backoff.lam == 0.2 and config.with_settings(lam=0.2).rollout.group_size == 3
 
 
+def test_a_setting_given_once_reaches_every_place_it_is_used(tmp_path):
+    """group_size, the sampling settings and the rollout lengths are set once and read by the engine, TRL's
+    arguments, the KV-cache sizing and the held-out evaluation; the engine's group size was a second copy
+    that the trainer overrode."""
+    from eviback.train.runner import (
+        Precision,
+        engine_rollout_config,
+        held_out_eval_config,
+        teacher_config,
+        trl_arguments,
+    )
+
+    config = TrainConfig.from_settings(group_size=3, questions_per_step=2, temperature=0.7, top_p=0.9,
+                                       max_turns=1, max_turn_tokens=100, max_obs_tokens=300, topk=4,
+                                       teacher_concurrency=3, eval_benchmarks=["nq"])
+    rollout = config.rollout
+    assert (rollout.group_size, rollout.temperature, rollout.top_p, rollout.topk) == (3, 0.7, 0.9, 4)
+    assert rollout.max_context_tokens == 100 * 2 + 300 + 512 and rollout.logprobs
+
+    assert engine_rollout_config(config, 100_000) == rollout  # the engine runs the run's own settings
+    capped = engine_rollout_config(config, 800)
+    assert capped.max_context_tokens == 800 and capped.group_size == 3
+
+    args = trl_arguments(config, tmp_path, Precision.FLOAT32, cuda=False)
+    assert args.num_generations == 3 and args.per_device_train_batch_size == 1
+    assert args.gradient_accumulation_steps == 2 * 3
+    assert (args.temperature, args.top_p, args.max_completion_length) == (0.7, 0.9, rollout.max_context_tokens)
+
+    held_out = held_out_eval_config(config, tmp_path / "eval", "m")
+    assert (held_out.topk, held_out.max_turns, held_out.max_turn_tokens, held_out.max_observation_tokens) == \
+        (4, 1, 100, 300)
+    assert teacher_config(config).judge.concurrency == 3
+
+
 def test_a_rollout_section_not_built_from_settings_is_refused():
     from eviback.rollout import RolloutConfig
 
