@@ -167,8 +167,8 @@ def test_each_setting_has_one_field_and_keeps_its_name():
 
 def test_a_setting_given_once_reaches_every_place_it_is_used(tmp_path):
     """group_size, the sampling settings and the rollout lengths are set once and read by the engine, TRL's
-    arguments, the KV-cache sizing and the held-out evaluation; the engine's group size was a second copy
-    that the trainer overrode."""
+    arguments and the held-out evaluation; the engine's group size was a second copy that the trainer
+    overrode."""
     from eviback.train.runner import (
         Precision,
         engine_rollout_config,

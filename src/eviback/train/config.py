@@ -270,7 +270,7 @@ def load_preset(name: str) -> dict[str, Any]:
 def setting_types() -> dict[str, Any]:
     """Every setting by the name it is set with, with its type (a section's setting takes its field's type;
     `mode` takes its name)."""
-    return _setting_types()
+    return dict(_setting_types())
 
 
 @functools.cache
