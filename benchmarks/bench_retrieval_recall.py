@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from eviback.data import load_suite, read_questions
-from eviback.retrieval import load_retriever, suite_retriever
+from eviback.retrieval import open_retriever
 
 BENCHMARKS = ("nq_oracle", "popqa", "hotpotqa_ctx", "2wikimultihopqa_ctx", "musique_ctx")
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for kind in args.kinds.split(","):
         spec = getattr(args, kind)
-        retriever = load_retriever(spec) if spec else suite_retriever(suite, kind)
+        retriever = open_retriever(spec, suite, kind)
         for name in BENCHMARKS:
             questions = [q for q in read_questions(args.data_dir / "qa" / f"{name}.jsonl") if q.gold_passage_ids]
             started = time.perf_counter()

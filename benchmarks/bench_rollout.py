@@ -277,11 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
-    from eviback.retrieval import load_retriever, suite_retriever
+    from eviback.retrieval import open_retriever
 
     suite = load_suite(args.data)
     questions = read_questions(suite.eval_files([args.benchmark])[args.benchmark])[: args.questions]
-    retriever = load_retriever(args.retriever) if args.retriever else suite_retriever(suite)
+    retriever = open_retriever(args.retriever, suite)
     started = time.perf_counter()
     vllm = load_backend(BackendConfig(model=args.model, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib))
     results: dict = {"args": vars(args), "engine_start_s": round(time.perf_counter() - started, 1),

@@ -80,11 +80,12 @@ def open_policy(ref: str) -> TeacherPolicy:
 
 def items(args: argparse.Namespace) -> list[tuple[str, object]]:
     """(source, trajectory) of every held-out evidence item, rollouts first."""
+    from eviback.data import training_files
     from eviback.policy import load_tokenizer
+    from eviback.queries import retry_query, search_query
     from eviback.retrieval import suite_retriever
     from eviback.teacher.workflow import answer_in_evidence
     from eviback.train.judge_builder import seen_trajectory
-    from eviback.train.warmstart_data import retry_query, search_query, training_files
 
     suite = load_suite()
     training = {q.id for path in training_files(suite) for q in read_questions(path)}

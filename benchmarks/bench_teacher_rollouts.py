@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
+    from eviback.data import read_training_questions
     from eviback.generation import BackendConfig, load_backend
     from eviback.retrieval import suite_retriever
     from eviback.rollout import RolloutConfig, RolloutEngine
-    from eviback.train.warmstart_data import read_training_questions
 
     suite = load_suite(args.data)
     rng = random.Random(args.seed)

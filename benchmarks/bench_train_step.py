@@ -29,12 +29,13 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger("bench_train_step")
 
 
 def rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    return psutil.Process().memory_info().rss / 1e9
 
 
 class Sampler:

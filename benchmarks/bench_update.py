@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 log = logging.getLogger("bench_update")
@@ -61,8 +62,7 @@ def load_avg() -> list[float]:
 
 
 def rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    return psutil.Process().memory_info().rss / 1e9
 
 
 def trim() -> None:

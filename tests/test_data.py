@@ -171,3 +171,36 @@ def test_flashrag_layout_is_recognised(tmp_path):
         suite.eval_files(["nq"])
     with pytest.raises(FileNotFoundError, match="not a data suite"):
         data.load_suite(tmp_path / "qa")
+
+
+# ---------------------------------------------------------------- training questions are never evaluation questions
+
+
+def test_eval_overlap_and_eval_files_are_refused():
+    suite = data.load_suite()
+    leaked = data.read_questions(suite.eval["nq"])[0]
+    with pytest.raises(ValueError, match="also appear in the suite's evaluation files"):
+        data.check_no_eval_overlap([leaked], suite)
+    renamed = Question("fresh-id", leaked.question, leaked.golden_answers)  # same text, new id: still refused
+    with pytest.raises(ValueError, match="evaluation files"):
+        data.check_no_eval_overlap([renamed], suite)
+    with pytest.raises(ValueError, match="not a training file of the suite.*nq_train"):
+        data.training_files(suite, ["nq"])
+
+
+def test_training_questions_that_share_an_evaluation_text_are_left_out(tmp_path, caplog):
+    """A release can hold the same question text about two entities, one in training, one held out: the
+    training side is left out with a warning, and training goes on with the rest."""
+    suite = data.load_suite()
+    held_out = data.read_questions(suite.eval["popqa"])[0]
+    train = [Question("twin", held_out.question, ("someone else",)), Question("fresh", "Who wrote Ulysses?", ("Joyce",))]
+    data.write_questions(tmp_path / "qa_train.jsonl", train)
+    (tmp_path / "suite.json").write_text(json.dumps({
+        "corpus": str(suite.corpus), "train": ["qa_train.jsonl"], "eval": {"popqa": str(suite.eval["popqa"])}}))
+    with caplog.at_level("WARNING"):
+        kept = data.read_training_questions(data.load_suite(tmp_path))
+    assert [q.id for q in kept] == ["fresh"]
+    assert "1 training question(s) left out" in caplog.text and "twin" in caplog.text
+    with pytest.raises(ValueError, match="not a training file"):
+        data.training_files(suite, [str(suite.eval["popqa"])])
+    assert data.training_files(suite, ["popqa_train"]) == (suite.root / "qa/popqa_train.jsonl.gz",)

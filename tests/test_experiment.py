@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -129,7 +130,8 @@ def test_runs_go_seed_by_seed_and_settings_layer_in_order():
     config = parse_experiment(minimal(settings={"lam": 0.3}, baseline="grpo"))
     assert [(a.name, s) for a, s in config.runs()] == [("grpo", 0), ("eviback", 0), ("eviback", 1)]
     train = config.train_config(config.arm("eviback"), 1)
-    assert (train.mode, train.lam, train.seed, train.build_seed, train.max_steps) == ("eviback", 0.3, 1, 0, 2)
+    assert (train.backoff.mode, train.backoff.lam, train.seed, train.build_seed, train.max_steps) == \
+        ("eviback", 0.3, 1, 0, 2)
     assert (train.eval_benchmarks, train.eval_limit, train.eval_warm_start) == (["nq"], 2, False)
 
 
@@ -236,10 +238,9 @@ def test_shipped_experiment_files_are_valid(name):
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie waiting for a reaper counts as gone)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False
-    return state not in ("Z", "X")
 
 
 def test_stopping_the_experiment_stops_the_run_in_progress_and_what_it_started(tmp_path):

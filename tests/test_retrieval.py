@@ -222,6 +222,27 @@ def test_suite_retriever_builds_once_into_the_cache(tmp_path, monkeypatch):
     assert read_manifest(indexes[0]).built_at == built_at  # reused, not rebuilt
 
 
+def test_open_retriever_opens_the_named_index_else_the_suites_bm25(bm25_index, tmp_path, monkeypatch):
+    """The `retriever` setting of every command: an index directory (or /retrieve URL) when given, else BM25
+    over the suite's corpus, built into the cache."""
+    from eviback.retrieval import open_retriever
+    from eviback.retrieval.client import RetrievalClient
+
+    monkeypatch.setenv("EVIBACK_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "suite"
+    root.mkdir()
+    write_corpus(root / "corpus.jsonl", PASSAGES[:2])
+    suite = DataSuite(root=root, corpus=root / "corpus.jsonl", train=(), eval={})
+    _, index = bm25_index
+    named = open_retriever(str(index), suite)
+    assert len(named) == len(PASSAGES) and not (tmp_path / "cache").exists()  # the suite is not indexed
+    for spec in (None, ""):
+        assert len(open_retriever(spec, suite)) == 2
+    client = open_retriever("http://127.0.0.1:9", suite)
+    assert isinstance(client, RetrievalClient)
+    client.close()
+
+
 def test_suite_retriever_defaults_to_the_embedded_suite(tmp_path, monkeypatch):
     from eviback.data import load_suite, read_questions
 

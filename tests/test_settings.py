@@ -55,7 +55,7 @@ def test_type_names():
 
 def test_train_overrides_are_typed():
     config = resolve_config("eviback", None, ["lam=1", "learning_rate=1e-6", "eval_benchmarks=nq"])
-    assert config.lam == 1.0 and isinstance(config.lam, float)
+    assert config.backoff.lam == 1.0 and isinstance(config.backoff.lam, float)
     assert config.learning_rate == 1e-6 and config.eval_benchmarks == ["nq"]
     with pytest.raises(ValueError, match=r"--set lam=abc: setting 'lam' takes a number \(float\)"):
         resolve_config("eviback", None, ["lam=abc"])
@@ -72,9 +72,9 @@ def test_a_config_file_value_of_the_wrong_type_names_the_file(tmp_path):
 
 def test_a_config_built_any_way_is_typed():
     with pytest.raises(ValueError, match=r"setting 'lam' takes a number \(float\), got 'abc'"):
-        TrainConfig(lam="abc")
+        TrainConfig.from_settings(lam="abc")
     with pytest.raises(ValueError, match=r"setting 'group_size' takes an integer \(int\), got '5'"):
-        TrainConfig(group_size="5")
+        TrainConfig.from_settings(group_size="5")
 
 
 def test_an_experiment_setting_of_the_wrong_type_names_the_arm_and_setting():

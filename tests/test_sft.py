@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-from eviback.data import load_suite, read_questions, write_questions
+from eviback.data import eval_question_keys, load_suite
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import render_observation
+from eviback.queries import contains_words
 from eviback.train import sft
 from eviback.train import warmstart_data as wsd
 from eviback.types import ActionKind, Passage, Question
@@ -183,7 +184,7 @@ def test_multi_hop_example_searches_an_entity_found_by_the_first_search():
     assert first.executed and second.executed
     entity = second.action.content
     # The second query is something the first results mention, not in the question...
-    assert wsd.contains_words(first.observation, entity) and not wsd.contains_words(question.question, entity)
+    assert contains_words(first.observation, entity) and not contains_words(question.question, entity)
     # ...and it brought a gold passage the first search had not, which holds the answer.
     new = {p.id for p in second.passages} - {p.id for p in first.passages}
     assert new & {"p1", "p3"}
@@ -281,41 +282,11 @@ def test_embedded_training_files_hold_no_evaluation_question():
     suite = load_suite()
     config = sft.WarmStartConfig()
     questions = sft.training_questions(config, suite)
-    ids, texts = wsd.eval_question_keys(suite)
+    ids, texts = eval_question_keys(suite)
     assert len(questions) >= 500
     assert not {x.id for x in questions} & ids
     assert not {normalize_answer(x.question) for x in questions} & texts
     assert {x.dataset for x in questions} == {"nq", "popqa", "hotpotqa", "musique"}
-
-
-def test_eval_overlap_and_eval_files_are_refused():
-    suite = load_suite()
-    leaked = read_questions(suite.eval["nq"])[0]
-    with pytest.raises(ValueError, match="also appear in the suite's evaluation files"):
-        wsd.check_no_eval_overlap([leaked], suite)
-    renamed = Question("fresh-id", leaked.question, leaked.golden_answers)  # same text, new id: still refused
-    with pytest.raises(ValueError, match="evaluation files"):
-        wsd.check_no_eval_overlap([renamed], suite)
-    with pytest.raises(ValueError, match="not a training file of the suite.*nq_train"):
-        wsd.training_files(suite, ["nq"])
-
-
-def test_training_questions_that_share_an_evaluation_text_are_left_out(tmp_path, caplog):
-    """A release can hold the same question text about two entities, one in training, one held out: the
-    training side is left out with a warning, and training goes on with the rest."""
-    suite = load_suite()
-    held_out = read_questions(suite.eval["popqa"])[0]
-    train = [Question("twin", held_out.question, ("someone else",)), Question("fresh", "Who wrote Ulysses?", ("Joyce",))]
-    write_questions(tmp_path / "qa_train.jsonl", train)
-    (tmp_path / "suite.json").write_text(json.dumps({
-        "corpus": str(suite.corpus), "train": ["qa_train.jsonl"], "eval": {"popqa": str(suite.eval["popqa"])}}))
-    with caplog.at_level("WARNING"):
-        kept = wsd.read_training_questions(load_suite(tmp_path))
-    assert [q.id for q in kept] == ["fresh"]
-    assert "1 training question(s) left out" in caplog.text and "twin" in caplog.text
-    with pytest.raises(ValueError, match="not a training file"):
-        wsd.training_files(suite, [str(suite.eval["popqa"])])
-    assert wsd.training_files(suite, ["popqa_train"]) == (suite.root / "qa/popqa_train.jsonl.gz",)
 
 
 # ---------------------------------------------------------------- config and cache

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eviback.protocol import apply_chat_template, render_observation
+from eviback.queries import contains_words
 from eviback.train import sft
 from eviback.train import warmstart_data as wsd
 from eviback.train.precision import MasterWeightAdamW
@@ -78,7 +79,7 @@ def test_real_examples_and_masks(tokenizer, retriever):
             assert rendered.startswith(turn.observation)
         answer_turn = example.trajectory.turns[-1]
         assert answer_turn.text.endswith(f"<answer> {example.trajectory.answer} </answer>")
-        assert wsd.contains_words("".join(t.observation for t in searches), example.trajectory.answer)
+        assert contains_words("".join(t.observation for t in searches), example.trajectory.answer)
         if example.kind is wsd.ExampleKind.MULTI:
             assert len(searches) == 2
         input_ids, labels = wsd.labels_for(trace)

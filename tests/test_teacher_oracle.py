@@ -88,7 +88,7 @@ def test_the_canary_audit_catches_the_oracle_reading_the_gold():
 def test_a_run_needs_the_explicit_opt_in_and_records_the_oracle():
     assert "eviback-oracle" in preset_names()
     config = resolve_config("eviback-oracle")
-    assert config.teacher == "oracle" and config.allow_leaky_teacher and teacher_is_oracle(config)
+    assert config.teacher.policy == "oracle" and config.teacher.allow_leaky and teacher_is_oracle(config)
     record = check_teacher(config)
     assert record["oracle"] is True and record["name"] == "oracle" and record["allowed_leaky"] is True
     with pytest.raises(ValueError, match="breaks the evidence boundary.*eviback-oracle preset"):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from eviback.teacher.cache import SqliteCache
 from eviback.teacher.judge import JudgeConfig, Teacher
 from eviback.teacher.policy import load_policy
@@ -20,12 +22,11 @@ CONCURRENCY = 8
 
 
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    return psutil.Process().num_fds()
 
 
 def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def soak(tmp_path: Path) -> None:

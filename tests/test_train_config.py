@@ -17,14 +17,14 @@ def test_presets_exist_and_resolve():
     f1 = resolve_config("f1-fallback")
     assert f1.backoff.mode is Mode.F1_FALLBACK and f1.backoff.lam == 0.1
     single = resolve_config("eviback-single-prompt")
-    assert single.teacher == "single-prompt-dual-task" and single.backoff.lam == 0.1
+    assert single.teacher.policy == "single-prompt-dual-task" and single.backoff.lam == 0.1
 
 
 def test_file_then_overrides_win(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lam: 0.5\ngroup_size: 3\n")
     config = resolve_config("eviback", path, ["lam=1", "eval-benchmarks=[nq, popqa]"])
-    assert config.lam == 1 and config.group_size == 3 and config.eval_benchmarks == ["nq", "popqa"]
+    assert config.backoff.lam == 1 and config.rollout.group_size == 3 and config.eval_benchmarks == ["nq", "popqa"]
 
 
 @pytest.mark.parametrize(
@@ -59,9 +59,9 @@ def test_run_dir_refuses_silent_reuse_and_changed_config(tmp_path):
     with pytest.raises(FileExistsError, match="--resume"):
         run.start(TrainConfig(), resume=False)
     with pytest.raises(ValueError, match="lam: 0.1 -> 0.5"):
-        run.start(TrainConfig(lam=0.5), resume=True)
+        run.start(TrainConfig.from_settings(lam=0.5), resume=True)
     # extending a run is allowed
-    assert run.start(TrainConfig(max_steps=50), resume=True) is None
+    assert run.start(TrainConfig.from_settings(max_steps=50), resume=True) is None
     assert yaml.safe_load(run.config_path.read_text())["max_steps"] == 50
 
 
@@ -126,3 +126,83 @@ def test_a_run_directory_is_trained_by_one_process_at_a_time(tmp_path):
         assert RunDir(root).start(TrainConfig(), resume=True) is None  # re-entrant within this process
     finally:
         run.unlock()
+
+
+# ---------------------------------------------------------------- one copy of each setting
+
+
+# Every setting `eviback train` has taken by name (docs/training.md, presets, experiment files): each still
+# takes it, and each lives in exactly one field of the nested config.
+SETTING_NAMES = {
+    "model", "warm_start", "warm_start_examples", "data", "train_files", "retriever", "backend", "group_size",
+    "questions_per_step", "temperature", "top_p", "max_turns", "max_turn_tokens", "max_obs_tokens", "topk", "mode",
+    "lam", "adv_eps", "teacher", "teacher_backend", "teacher_model", "teacher_url", "teacher_concurrency",
+    "allow_leaky_teacher", "learning_rate", "max_grad_norm", "is_correction", "is_cap", "is_level", "beta",
+    "loss_type", "max_steps", "save_steps", "save_total_limit", "micro_batch_rows", "gradient_checkpointing", "dtype",
+    "seed", "build_seed", "report_to", "eval_benchmarks", "eval_limit", "eval_warm_start", "keep_rollout_steps",
+    "teacher_stage_a", "judge_max_questions", "judge_epochs", "teacher_stage_b", "teacher_span_words",
+}
+
+
+def test_each_setting_has_one_field_and_keeps_its_name():
+    import dataclasses
+
+    from eviback.train.config import SECTION_SETTINGS, SECTIONS, setting_types
+
+    assert set(setting_types()) == SETTING_NAMES == set(TrainConfig().to_dict())
+    places = list(SECTION_SETTINGS.values())
+    assert len(places) == len(set(places))  # no two names for one field
+    own = {f.name for f in dataclasses.fields(TrainConfig)} - set(SECTIONS)
+    assert not own & set(SECTION_SETTINGS)  # no setting both in a section and at the top
+    for section, cls in SECTIONS.items():  # a section's field is a setting, or deliberately none
+        unset = {f.name for f in dataclasses.fields(cls)} - {f for s, f in places if s == section}
+        assert unset <= {"max_context_tokens", "logprobs", "hit_threshold"}, (section, unset)
+    values = {"group_size": 3, "lam": 0.5, "adv_eps": 1e-4, "teacher_url": "http://x/v1", "mode": "grpo",
+              "max_obs_tokens": 300, "allow_leaky_teacher": True, "max_steps": 7}
+    config = TrainConfig.from_settings(values)
+    assert {k: config.to_dict()[k] for k in values} == values
+    assert TrainConfig.from_settings(config.to_dict()) == config
+    assert config.with_settings(lam=0.2).backoff.lam == 0.2 and config.with_settings(lam=0.2).rollout.group_size == 3
+
+
+def test_a_setting_given_once_reaches_every_place_it_is_used(tmp_path):
+    """group_size, the sampling settings and the rollout lengths are set once and read by the engine, TRL's
+    arguments and the held-out evaluation; the engine's group size was a second copy that the trainer
+    overrode."""
+    from eviback.train.runner import (
+        Precision,
+        engine_rollout_config,
+        held_out_eval_config,
+        teacher_config,
+        trl_arguments,
+    )
+
+    config = TrainConfig.from_settings(group_size=3, questions_per_step=2, temperature=0.7, top_p=0.9,
+                                       max_turns=1, max_turn_tokens=100, max_obs_tokens=300, topk=4,
+                                       teacher_concurrency=3, eval_benchmarks=["nq"])
+    rollout = config.rollout
+    assert (rollout.group_size, rollout.temperature, rollout.top_p, rollout.topk) == (3, 0.7, 0.9, 4)
+    assert rollout.max_context_tokens == 100 * 2 + 300 + 512 and rollout.logprobs
+
+    assert engine_rollout_config(config, 100_000) == rollout  # the engine runs the run's own settings
+    capped = engine_rollout_config(config, 800)
+    assert capped.max_context_tokens == 800 and capped.group_size == 3
+
+    args = trl_arguments(config, tmp_path, Precision.FLOAT32, cuda=False)
+    assert args.num_generations == 3 and args.per_device_train_batch_size == 1
+    assert args.gradient_accumulation_steps == 2 * 3
+    assert (args.temperature, args.top_p, args.max_completion_length) == (0.7, 0.9, rollout.max_context_tokens)
+
+    held_out = held_out_eval_config(config, tmp_path / "eval", "m")
+    assert (held_out.topk, held_out.max_turns, held_out.max_turn_tokens, held_out.max_observation_tokens) == \
+        (4, 1, 100, 300)
+    assert teacher_config(config).judge.concurrency == 3
+
+
+def test_a_rollout_section_not_built_from_settings_is_refused():
+    from eviback.rollout import RolloutConfig
+
+    with pytest.raises(ValueError, match="TrainConfig.from_settings"):
+        TrainConfig(rollout={"group_size": 3})
+    with pytest.raises(ValueError, match="bounds the context by its settings"):
+        TrainConfig(rollout=RolloutConfig(group_size=3))

@@ -34,3 +34,13 @@ def test_the_snapshot_counts_this_process_work():
     assert 0.3 - slack <= gauges["time/cpu"] <= outer + slack
     assert gauges["host/other_cpu_s"] is None or gauges["host/other_cpu_s"] >= 0
     assert gauges["host/steal_share"] is None or 0 <= gauges["host/steal_share"] <= 1
+
+
+def test_the_process_gauges_count_this_process_memory_and_open_files(tmp_path):
+    from eviback.train.gauges import process_gauges
+
+    before = process_gauges()
+    with open(tmp_path / "f", "w"):
+        during = process_gauges()
+    assert before["memory/rss_gb"] > 0.01
+    assert during["process/open_fds"] == before["process/open_fds"] + 1

@@ -29,7 +29,7 @@ def built(monkeypatch):
 
 
 def test_a_local_two_stage_teacher_has_the_judge_and_the_extractive_stage_b_by_default(built):
-    config = TrainConfig(train_files=["popqa_train"], judge_max_questions=50, max_obs_tokens=300)
+    config = TrainConfig.from_settings(train_files=["popqa_train"], judge_max_questions=50, max_obs_tokens=300)
     policy = teacher_policy(config)
     assert policy == judge_policy(SHA, base=load_policy("two-stage-extractive"))
     assert policy.name == "two-stage-extractive-judge"
@@ -41,41 +41,43 @@ def test_a_local_two_stage_teacher_has_the_judge_and_the_extractive_stage_b_by_d
 
 def test_the_prompted_stages_other_policies_and_http_teachers(built):
     # the LLM Stage B: exactly the policy the judge's build freezes beside it
-    assert teacher_policy(TrainConfig(teacher_stage_b="prompted")) == judge_policy(SHA)
-    assert teacher_policy(TrainConfig(teacher_stage_a="prompted")) == load_policy("two-stage-extractive")
+    assert teacher_policy(TrainConfig.from_settings(teacher_stage_b="prompted")) == judge_policy(SHA)
+    assert teacher_policy(TrainConfig.from_settings(teacher_stage_a="prompted")) == load_policy("two-stage-extractive")
     assert len(built) == 1  # the judge is built only for Stage A
     built.clear()
-    both = TrainConfig(teacher_stage_a="prompted", teacher_stage_b="prompted")
+    both = TrainConfig.from_settings(teacher_stage_a="prompted", teacher_stage_b="prompted")
     assert teacher_policy(both) == load_policy("two-stage")
-    assert teacher_policy(TrainConfig(teacher="single-prompt-dual-task")) == load_policy("single-prompt-dual-task")
+    assert teacher_policy(TrainConfig.from_settings(teacher="single-prompt-dual-task")) == \
+        load_policy("single-prompt-dual-task")
     # a served teacher keeps its LLM stages
-    assert teacher_policy(TrainConfig(teacher_backend="http", teacher_url="http://x/v1")) == load_policy("two-stage")
+    served = TrainConfig.from_settings(teacher_backend="http", teacher_url="http://x/v1")
+    assert teacher_policy(served) == load_policy("two-stage")
     assert built == []
     with pytest.raises(ValueError, match="teacher_stage_a"):
-        teacher_policy(TrainConfig(teacher_stage_a="other"))
+        TrainConfig.from_settings(teacher_stage_a="other")
     with pytest.raises(ValueError, match="teacher_stage_b must be 'extractive' or 'prompted'"):
-        TrainConfig(teacher_stage_b="llm")
+        TrainConfig.from_settings(teacher_stage_b="llm")
 
 
 def test_the_span_bound_is_a_setting_and_part_of_the_version(built):
-    policy = teacher_policy(TrainConfig(teacher_stage_a="prompted", teacher_span_words=12))
+    policy = teacher_policy(TrainConfig.from_settings(teacher_stage_a="prompted", teacher_span_words=12))
     assert policy.stages[1].backend == "extractive-span:max_words=12"
     assert policy.version != load_policy("two-stage-extractive").version
     with pytest.raises(ValueError, match="no extractive stage"):
-        teacher_policy(TrainConfig(teacher="single-prompt-dual-task", teacher_span_words=12))
+        teacher_policy(TrainConfig.from_settings(teacher="single-prompt-dual-task", teacher_span_words=12))
     with pytest.raises(ValueError, match="teacher_span_words must be >= 0"):
-        TrainConfig(teacher_span_words=-1)
+        TrainConfig.from_settings(teacher_span_words=-1)
 
 
 def test_a_run_made_before_the_extractive_default_does_not_resume_with_it(tmp_path):
     run = RunDir(tmp_path / "run")
-    run.start(TrainConfig(teacher_stage_b="prompted"), resume=False)
+    run.start(TrainConfig.from_settings(teacher_stage_b="prompted"), resume=False)
     old = yaml.safe_load(run.config_path.read_text())
     del old["teacher_stage_b"]  # what an earlier eviback wrote: its Stage B was the LLM's
     run.config_path.write_text(yaml.safe_dump(old))
     with pytest.raises(ValueError, match="teacher_stage_b: None -> 'extractive'"):
         run.start(TrainConfig(), resume=True)
-    assert run.start(TrainConfig(teacher_stage_b="prompted"), resume=True) is None
+    assert run.start(TrainConfig.from_settings(teacher_stage_b="prompted"), resume=True) is None
 
 
 def test_a_judge_at_chance_is_reported(tmp_path, caplog):

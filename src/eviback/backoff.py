@@ -24,8 +24,9 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from eviback.settings import check_fields
 from eviback.types import Verdict
 
 
@@ -58,13 +59,16 @@ class BackoffConfig:
         hit_threshold: a rollout is a verified hit when its EM is at least this (EM is 0/1, so 1.0).
     """
 
-    mode: Mode = Mode.EVIBACK
-    lam: float = 0.1
-    eps: float = 1e-6
-    hit_threshold: float = 1.0
+    mode: Mode = field(default=Mode.EVIBACK, metadata={"help": "grpo, dapo, eviback, or f1-fallback (all-zero "
+                       "groups get the actor's own token F1 as reward, no teacher)"})
+    lam: float = field(default=0.1, metadata={"help": "lambda: scale of fallback advantages (teacher or F1), after "
+                       "normalisation"})
+    eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std"})
+    hit_threshold: float = field(default=1.0, metadata={"help": "EM at which a rollout is a verified hit"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
+        check_fields(self)  # a number where a number belongs, before the checks below compare it
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
         if self.eps <= 0:

@@ -6,6 +6,10 @@ Every reader validates as it goes: a malformed line, a missing field or an empty
 worth a look (a gold answer that SQuAD normalisation empties) is read and noted as a warning in the report,
 with its file and line. Files ending in `.gz` are read and written compressed. Corpora are read streaming,
 one line at a time.
+
+A data suite (:class:`DataSuite`) keeps its training and evaluation questions apart, and the rules that
+keep them apart live here: :func:`read_training_questions` leaves out any training question whose id or
+text is also an evaluation question, :func:`check_no_eval_overlap` refuses such questions.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -26,6 +31,8 @@ from eviback.protocol import build_prompt
 from eviback.types import Passage, Question
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def _where(path: str | os.PathLike, line: int | None) -> str:
@@ -389,3 +396,83 @@ def load_suite(root: str | os.PathLike | None = None) -> DataSuite:
         train=tuple(root / p for p in spec["train"] if (root / p).exists()),
         eval={name: root / p for name, p in spec["eval"].items() if (root / p).exists()},
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Training questions: never an evaluation question of their suite.
+
+
+def training_files(suite: DataSuite, names: Sequence[str] = ()) -> tuple[Path, ...]:
+    """The suite's training files, or the named subset of them (by path or by file stem, e.g. `nq_train`).
+
+    Evaluation files are refused: training never sees an evaluation question."""
+    if not names:
+        if not suite.train:
+            raise ValueError(f"the data suite {suite.root} lists no training files; add a `train` list to it")
+        return suite.train
+    by_name = {_stem(p): p for p in suite.train}
+    chosen = []
+    for name in names:
+        path = by_name.get(_stem(name)) or next((p for p in suite.train if str(p) == str(name)), None)
+        if path is None:
+            raise ValueError(
+                f"{name!r} is not a training file of the suite {suite.root}; choose from "
+                f"{', '.join(sorted(by_name))}"
+            )
+        chosen.append(path)
+    return tuple(chosen)
+
+
+def _stem(path: str | os.PathLike) -> str:
+    name = str(path).rsplit("/", 1)[-1]
+    for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def eval_question_keys(suite: DataSuite) -> tuple[set[str], set[str]]:
+    """The ids and normalised question texts of every evaluation file of `suite`."""
+    ids: set[str] = set()
+    texts: set[str] = set()
+    for path in suite.eval.values():
+        for q in read_questions(path):
+            ids.add(q.id)
+            texts.add(normalize_answer(q.question))
+    return ids, texts
+
+
+def eval_overlap(questions: Iterable[Question], suite: DataSuite) -> list[Question]:
+    """The questions whose id or normalised text is also in one of the suite's evaluation files."""
+    ids, texts = eval_question_keys(suite)
+    return [q for q in questions if q.id in ids or normalize_answer(q.question) in texts]
+
+
+def check_no_eval_overlap(questions: Iterable[Question], suite: DataSuite) -> None:
+    """Raise when a training question's id or text appears in one of the suite's evaluation files."""
+    leaked = [q.id for q in eval_overlap(questions, suite)]
+    if leaked:
+        raise ValueError(
+            f"{len(leaked)} training question(s) also appear in the suite's evaluation files "
+            f"(e.g. {leaked[:3]}); train only on the suite's `train` files, or remove these questions"
+        )
+
+
+def read_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list[Question]:
+    """The questions of the suite's training files (or the named ones), each id once, never an evaluation
+    question: a training question whose id or text is also in an evaluation file is left out, with a warning
+    (a release can hold two questions of the same text about different entities, e.g. PopQA's "What is Will
+    Smith's occupation?" in both its training and its held-out split)."""
+    questions, seen = [], set()
+    for path in training_files(suite, names):
+        for q in read_questions(path):
+            if q.id not in seen:  # the same id in two files is one question
+                seen.add(q.id)
+                questions.append(q)
+    leaked = {q.id for q in eval_overlap(questions, suite)}
+    kept = [q for q in questions if q.id not in leaked]
+    if len(kept) < len(questions):
+        left_out = [q.id for q in questions if q.id in leaked][:3]
+        log.warning(
+            "%d training question(s) left out: their id or text is also in the suite's evaluation files (e.g. %s)",
+            len(questions) - len(kept), left_out)
+    return kept

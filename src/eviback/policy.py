@@ -10,13 +10,14 @@ Hugging Face model directory or a hub name already in the local cache (nothing i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import logging
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from filelock import FileLock
 
 from eviback import dtype as dtypes
 
@@ -40,12 +41,8 @@ def cache_dir() -> Path:
 def file_lock(path: Path) -> Iterator[None]:
     """An exclusive inter-process lock (so two processes never build the same cached artifact at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with FileLock(path, thread_local=False):
+        yield
 
 
 def bundled_gguf(name: str) -> Path:

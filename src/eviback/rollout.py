@@ -35,6 +35,7 @@ from eviback.protocol import (
     truncate_turn,
 )
 from eviback.retrieval.base import Retriever
+from eviback.settings import check_fields
 from eviback.types import (
     Action,
     ActionKind,
@@ -51,18 +52,21 @@ from eviback.types import (
 class RolloutConfig:
     """Search-R1 rollout settings (defaults: Search-R1's GRPO settings)."""
 
-    group_size: int = field(default=5, metadata={"help": "rollouts per question (G)"})
+    group_size: int = field(default=5, metadata={"help": "G, rollouts per question (Search-R1: 5)"})
     max_turns: int = field(default=2, metadata={"help": "turns whose action is executed (so at most this many "
                            "searches); one final turn follows (Search-R1 trains with 2)"})
-    max_turn_tokens: int = field(default=500, metadata={"help": "new tokens per turn"})
-    max_observation_tokens: int = field(default=500, metadata={"help": "an observation is cut to this many tokens"})
+    max_turn_tokens: int = field(default=500, metadata={"help": "new tokens per turn (Search-R1: 500)"})
+    max_observation_tokens: int = field(default=500, metadata={"help": "tokens of retrieved text per search: an "
+                                        "observation is cut to this many tokens"})
     max_context_tokens: int = field(default=4096, metadata={"help": "prompt + response cap; a trajectory reaching it stops (LENGTH)"})
-    topk: int = field(default=3, metadata={"help": "passages per search"})
-    temperature: float = field(default=1.0, metadata={"help": "0 for greedy (evaluation)"})
+    topk: int = field(default=3, metadata={"help": "passages per search (Search-R1: 3)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (Search-R1: 1.0); 0 for greedy "
+                               "(evaluation)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
     logprobs: bool = field(default=True, metadata={"help": "record sampled-token log-probabilities (training needs them)"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("group_size", "max_turn_tokens", "max_observation_tokens", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -168,12 +168,18 @@ def check_settings(cls: type, values: Mapping[str, Any], where: str = "") -> dic
     """`values` with each setting that is a field of the dataclass `cls` checked by :func:`check_setting`
     (other keys are left as they are, for the caller to refuse by name). A message is prefixed by `where`
     (the file or preset the values came from) when given."""
-    types_ = field_types(cls)
+    return check_values(field_types(cls), values, where)
+
+
+def check_values(types: Mapping[str, Any], values: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """`values` with each setting named in `types` (setting name -> type) checked by :func:`check_setting`;
+    other keys are left as they are, for the caller to refuse by name. A message is prefixed by `where`
+    when given."""
     out = dict(values)
     for key, value in values.items():
-        if key in types_:
+        if key in types:
             try:
-                out[key] = check_setting(key, value, types_[key])
+                out[key] = check_setting(key, value, types[key])
             except ValueError as e:
                 raise ValueError(f"{where}: {e}" if where else str(e)) from None
     return out

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if sized:
             print(f"eviback demo: {sized}", flush=True)
     if teacher_is_oracle(config):
-        raise ValueError(f"the demo refuses the oracle teacher {config.teacher!r}: it reads the gold answers to "
+        raise ValueError(f"the demo refuses the oracle teacher {config.teacher.policy!r}: it reads the gold answers to "
                          f"decide the status, a ceiling for experiments, never the demo's teacher. Measure it with "
                          f"`eviback train --preset eviback-oracle`")
     output = Path(args.output)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from eviback.evaluate import comparison_markdown
 
     print(f"eviback demo: warm start (cached after the first run), {config.max_steps} EviBack GRPO steps "
-          f"({config.questions_per_step} questions x {config.group_size} rollouts), then evaluation on "
+          f"({config.questions_per_step} questions x {config.rollout.group_size} rollouts), then evaluation on "
           f"{', '.join(config.eval_benchmarks)} ({config.eval_limit} held-out questions each)", flush=True)
     result = run_training(config, output, resume=args.resume)
     if result.eval_summary is not None:

@@ -21,7 +21,6 @@ start (`build_seed`), so arms differ only in what they are meant to differ in.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,10 +86,7 @@ class ExperimentConfig:
         values = {**load_preset(arm.preset), **self.settings, **arm.settings, "max_steps": self.steps,
                   "seed": seed, "eval_benchmarks": list(self.eval_benchmarks), "eval_limit": self.eval_limit,
                   "eval_warm_start": False}
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(TrainConfig)})
-        if unknown:
-            raise ValueError(f"unknown setting(s) {unknown}; see `eviback train --help-config`")
-        return TrainConfig(**values)
+        return TrainConfig.from_settings(values)
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:

@@ -218,7 +218,7 @@ def _evaluate_start_child(work: str, wanted: list[str] | None = None) -> None:
     from eviback.train.runner import held_out_eval_config, initial_policy, write_start_record
 
     configure_logging(logging.INFO)
-    config = TrainConfig(**yaml.safe_load((Path(work) / "config.yaml").read_text()))
+    config = TrainConfig.from_settings(yaml.safe_load((Path(work) / "config.yaml").read_text()))
     policy = initial_policy(config)
     write_start_record(Path(work) / "start.json", policy)
     if wanted is not None and start_fingerprint(Path(work)) not in wanted:

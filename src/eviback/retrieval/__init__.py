@@ -1,8 +1,9 @@
 """Retrieval: BM25 and dense indexes, the Search-R1-compatible `/retrieve` service and its client.
 
 All of them implement :class:`eviback.retrieval.base.Retriever` (batched `search(queries, topk)` and
-`close()`). Get one with :func:`load_retriever` (an index directory or a service URL) or
-:func:`suite_retriever` (a data suite's corpus, indexed once and cached). Heavy libraries (bm25s, FAISS,
+`close()`). Get one with :func:`load_retriever` (an index directory or a service URL),
+:func:`suite_retriever` (a data suite's corpus, indexed once and cached), or :func:`open_retriever`, which
+chooses between the two as every command's `retriever` setting does. Heavy libraries (bm25s, FAISS,
 sentence-transformers, FastAPI, httpx) are imported only by the parts that use them.
 """
 
@@ -14,6 +15,7 @@ from eviback.retrieval.index import (
     build_index,
     load_index,
     load_retriever,
+    open_retriever,
     read_manifest,
     suite_retriever,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "build_index",
     "load_index",
     "load_retriever",
+    "open_retriever",
     "read_manifest",
     "suite_retriever",
 ]

@@ -252,6 +252,16 @@ def load_retriever(spec: str | os.PathLike) -> Retriever:
     return load_index(text)
 
 
+def open_retriever(spec: str | os.PathLike | None, suite: DataSuite | None = None,
+                   kind: IndexKind | str = IndexKind.BM25) -> Retriever:
+    """The retriever a run's `retriever` setting chooses: the index directory or `/retrieve` URL `spec`
+    names (:func:`load_retriever`), or, when it names none, the `kind` index (BM25 by default) of `suite`'s
+    corpus, built once and cached (:func:`suite_retriever`; default: the embedded suite)."""
+    if spec:
+        return load_retriever(spec)
+    return suite_retriever(suite, kind)
+
+
 def suite_index_dir(suite: DataSuite | None = None, kind: IndexKind | str = IndexKind.BM25) -> tuple[Path, str]:
     """Where :func:`suite_retriever` caches the index of a suite's corpus, and the corpus's sha256."""
     suite = suite if suite is not None else load_suite()

@@ -1,5 +1,12 @@
 """The configuration of an `eviback train` run: one dataclass, presets, files and overrides.
 
+Each setting exists once. The rollout settings are the rollout engine's own config (`config.rollout`, a
+:class:`~eviback.rollout.RolloutConfig`), the advantage settings the backoff's (`config.backoff`, a
+:class:`~eviback.backoff.BackoffConfig`), the teacher's a :class:`TeacherSettings` (`config.teacher`);
+the engine, TRL's arguments, the advantages and the teacher read those same objects. Settings keep their
+flat names wherever they are given (`group_size`, `lam`, `teacher_url`): :data:`SECTION_SETTINGS` says
+which field each name sets.
+
 A run's configuration is resolved in this order, later wins: the dataclass defaults, a preset
 (`eviback`, `grpo`, `dapo`, `f1-fallback`, `eviback-single-prompt`, ...: YAML files next to this module
 holding values only), a user YAML file (`--config`), then `--set key=value` overrides. Every value is checked
@@ -11,6 +18,9 @@ naming the setting and the type it takes. The resolved configuration is written 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -19,15 +29,102 @@ from typing import Any
 import yaml
 
 from eviback import dtype as dtypes
-from eviback.backoff import BackoffConfig, Mode
-from eviback.settings import check_fields, check_settings, field_types, parse_setting_value
+from eviback.backoff import BackoffConfig
+from eviback.rollout import RolloutConfig
+from eviback.settings import check_fields, check_values, field_types, parse_setting_value
 
 PRESETS_PACKAGE = "eviback.train"
 
 
+@dataclass(frozen=True)
+class TeacherSettings:
+    """The teacher of a training run (EviBack mode): which policy judges, where it runs, and how a local
+    two-stage teacher is composed (the trained evidence judge as Stage A, the extractive Stage B)."""
+
+    policy: str = field(default="two-stage", metadata={"help": "teacher policy: a built-in name (two-stage, "
+                        "single-prompt-dual-task) or a frozen policy file"})
+    backend: str = field(default="local", metadata={"help": "local (in-process model) or http (an OpenAI-compatible "
+                         "endpoint)"})
+    model: str = field(default="smollm2-135m", metadata={"help": "the teacher's model: a local model for the local "
+                       "backend, the served model name for http"})
+    url: str | None = field(default=None, metadata={"help": "base URL of the OpenAI-compatible server"})
+    concurrency: int = field(default=8, metadata={"help": "concurrent teacher requests"})
+    allow_leaky: bool = field(default=False, metadata={"help": "accept a teacher policy whose status stage sees the "
+                              "gold answers (the single-prompt baseline); refused otherwise"})
+    stage_a: str = field(default="judge", metadata={"help": "with a local teacher and the two-stage policy: 'judge' "
+                         "decides Stage A with the trained evidence judge (`eviback build-judge`, built from the "
+                         "training questions on first use, then cached); 'prompted' keeps the policy's prompted "
+                         "Stage A on the local model"})
+    judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is built "
+                                     "from (0: all)"})
+    judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
+    stage_b: str = field(default="extractive", metadata={"help": "with a local teacher and the two-stage policy: "
+                         "'extractive' answers Stage B with the span of the evidence the actor saw that best matches "
+                         "the gold (no model: the two-stage-extractive policy); 'prompted' keeps the policy's LLM "
+                         "Stage B on the local model. A served (http) teacher keeps its LLM Stage B"})
+    span_words: int = field(default=0, metadata={"help": "the longest span, in words, an extractive Stage B may "
+                            "answer (0: the policy's own bound, 8 in the built-ins)"})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        # The messages name the settings as they are set (`teacher_backend`, ...: SECTION_SETTINGS).
+        if self.backend not in ("local", "http"):
+            raise ValueError(f"teacher_backend must be 'local' or 'http', got {self.backend!r}")
+        if self.stage_a not in ("judge", "prompted"):
+            raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {self.stage_a!r}")
+        if self.stage_b not in ("extractive", "prompted"):
+            raise ValueError(f"teacher_stage_b must be 'extractive' or 'prompted', got {self.stage_b!r}")
+        if self.span_words < 0:
+            raise ValueError(f"teacher_span_words must be >= 0 (0: the policy's own bound), got {self.span_words}")
+        if self.backend == "http" and not self.url:
+            raise ValueError("teacher_backend=http needs teacher_url (e.g. http://127.0.0.1:8000/v1)")
+
+
+# Settings that live in a section of TrainConfig, by the name they are set with (`--set`, presets, YAML
+# files, config.yaml) -> (section, field). Every other setting is a field of TrainConfig itself, set by its
+# own name. Each field exists once: the rollout engine, TRL's arguments, the advantages and the teacher all
+# read the same one.
+SECTION_SETTINGS: dict[str, tuple[str, str]] = {
+    "group_size": ("rollout", "group_size"),
+    "temperature": ("rollout", "temperature"),
+    "top_p": ("rollout", "top_p"),
+    "max_turns": ("rollout", "max_turns"),
+    "max_turn_tokens": ("rollout", "max_turn_tokens"),
+    "max_obs_tokens": ("rollout", "max_observation_tokens"),
+    "topk": ("rollout", "topk"),
+    "mode": ("backoff", "mode"),
+    "lam": ("backoff", "lam"),
+    "adv_eps": ("backoff", "eps"),
+    "teacher": ("teacher", "policy"),
+    "teacher_backend": ("teacher", "backend"),
+    "teacher_model": ("teacher", "model"),
+    "teacher_url": ("teacher", "url"),
+    "teacher_concurrency": ("teacher", "concurrency"),
+    "allow_leaky_teacher": ("teacher", "allow_leaky"),
+    "teacher_stage_a": ("teacher", "stage_a"),
+    "judge_max_questions": ("teacher", "judge_max_questions"),
+    "judge_epochs": ("teacher", "judge_epochs"),
+    "teacher_stage_b": ("teacher", "stage_b"),
+    "teacher_span_words": ("teacher", "span_words"),
+}
+SECTIONS: dict[str, type] = {"rollout": RolloutConfig, "backoff": BackoffConfig, "teacher": TeacherSettings}
+
+
+def context_tokens(max_turns: int, max_turn_tokens: int, max_observation_tokens: int) -> int:
+    """The longest trajectory a run's rollout settings allow (prompt headroom 512): every turn's tokens and
+    every observation. The rollout engine caps a trajectory there (or at the backend's limit, if lower)."""
+    return max_turn_tokens * (max_turns + 1) + max_observation_tokens * max_turns + 512
+
+
 @dataclass
 class TrainConfig:
-    """Every setting of a GRPO / EviBack training run. Defaults follow Search-R1 where they apply."""
+    """Every setting of a GRPO / EviBack training run. Defaults follow Search-R1 where they apply.
+
+    The rollout settings are the engine's own :class:`~eviback.rollout.RolloutConfig` (`rollout`), the
+    advantage settings :class:`~eviback.backoff.BackoffConfig` (`backoff`), the teacher's
+    :class:`TeacherSettings` (`teacher`); each is set by a flat name (`group_size`, `lam`, `teacher_url`:
+    :data:`SECTION_SETTINGS`). Build one from settings with :meth:`from_settings`; :meth:`to_dict` gives
+    them back by name (what config.yaml holds)."""
 
     # ---- model and data
     model: str = field(default="smollm2-135m", metadata={"help": "policy: a built-in name, a local HF model "
@@ -42,30 +139,12 @@ class TrainConfig:
                                   "BM25 over the suite's corpus)"})
     # ---- rollouts
     backend: str = field(default="vllm", metadata={"help": "generation engine: vllm or hf"})
-    group_size: int = field(default=5, metadata={"help": "G, rollouts per question (Search-R1: 5)"})
     questions_per_step: int = field(default=4, metadata={"help": "questions per optimisation step"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (Search-R1: 1.0)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
-    max_turns: int = field(default=2, metadata={"help": "searches allowed before the final no-search turn"})
-    max_turn_tokens: int = field(default=500, metadata={"help": "tokens generated per turn (Search-R1: 500)"})
-    max_obs_tokens: int = field(default=500, metadata={"help": "tokens of retrieved text per search"})
-    topk: int = field(default=3, metadata={"help": "passages per search (Search-R1: 3)"})
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_context_tokens=context_tokens(
+        RolloutConfig.max_turns, RolloutConfig.max_turn_tokens, RolloutConfig.max_observation_tokens)))
     # ---- the algorithm
-    mode: str = field(default="eviback", metadata={"help": "grpo, dapo, eviback, or f1-fallback (all-zero groups "
-                      "get the actor's own token F1 as reward, no teacher)"})
-    lam: float = field(default=0.1, metadata={"help": "lambda: scale of fallback advantages (teacher or F1), after "
-                       "normalisation"})
-    adv_eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std"})
-    teacher: str = field(default="two-stage", metadata={"help": "teacher policy: a built-in name "
-                         "(two-stage, single-prompt-dual-task) or a frozen policy file"})
-    teacher_backend: str = field(default="local", metadata={"help": "local (in-process model) or http "
-                                 "(an OpenAI-compatible endpoint)"})
-    teacher_model: str = field(default="smollm2-135m", metadata={"help": "the teacher's model: a local model for "
-                               "the local backend, the served model name for http"})
-    teacher_url: str | None = field(default=None, metadata={"help": "base URL of the OpenAI-compatible server"})
-    teacher_concurrency: int = field(default=8, metadata={"help": "concurrent teacher requests"})
-    allow_leaky_teacher: bool = field(default=False, metadata={"help": "accept a teacher policy whose status stage "
-                                      "sees the gold answers (the single-prompt baseline); refused otherwise"})
+    backoff: BackoffConfig = field(default_factory=BackoffConfig)
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)
     # ---- optimisation (TRL GRPOTrainer)
     learning_rate: float = field(default=1e-6, metadata={"help": "Search-R1: 1e-6"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (on the fp32 gradients); 0: off"})
@@ -103,61 +182,77 @@ class TrainConfig:
     # ---- what the run directory keeps
     keep_rollout_steps: int = field(default=10, metadata={"help": "full rollouts (texts, passages) are kept for "
                                     "the last N steps in rollouts/; groups.jsonl keeps a compact line per group"})
-    # ---- the trained evidence judge (Stage A of a local teacher)
-    teacher_stage_a: str = field(default="judge", metadata={"help": "with a local teacher and the two-stage "
-                                 "policy: 'judge' decides Stage A with the trained evidence judge (`eviback "
-                                 "build-judge`, built from the training questions on first use, then cached); "
-                                 "'prompted' keeps the policy's prompted Stage A on the local model"})
-    judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is "
-                                     "built from (0: all)"})
-    judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
-    teacher_stage_b: str = field(default="extractive", metadata={"help": "with a local teacher and the two-stage "
-                                 "policy: 'extractive' answers Stage B with the span of the evidence the actor saw "
-                                 "that best matches the gold (no model: the two-stage-extractive policy); "
-                                 "'prompted' keeps the policy's LLM Stage B on the local model. A served (http) "
-                                 "teacher keeps its LLM Stage B"})
-    teacher_span_words: int = field(default=0, metadata={"help": "the longest span, in words, an extractive Stage "
-                                    "B may answer (0: the policy's own bound, 8 in the built-ins)"})
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
-        Mode(self.mode)  # raises with the valid names
+        for name, section in SECTIONS.items():
+            if not isinstance(getattr(self, name), section):
+                raise ValueError(f"TrainConfig.{name} must be a {section.__name__}; build a config from settings "
+                                 "with TrainConfig.from_settings(...)")
         if self.backend not in ("vllm", "hf"):
             raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
-        if self.teacher_backend not in ("local", "http"):
-            raise ValueError(f"teacher_backend must be 'local' or 'http', got {self.teacher_backend!r}")
-        if self.teacher_stage_b not in ("extractive", "prompted"):
-            raise ValueError(f"teacher_stage_b must be 'extractive' or 'prompted', got {self.teacher_stage_b!r}")
-        if self.teacher_span_words < 0:
-            raise ValueError(f"teacher_span_words must be >= 0 (0: the policy's own bound), got "
-                             f"{self.teacher_span_words}")
-        if self.teacher_backend == "http" and not self.teacher_url:
-            raise ValueError("teacher_backend=http needs teacher_url (e.g. http://127.0.0.1:8000/v1)")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {self.group_size}")
-        for name in ("questions_per_step", "max_steps", "save_steps", "max_turn_tokens", "topk"):
+        rollout = self.rollout
+        if rollout.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {rollout.group_size}")
+        for name in ("questions_per_step", "max_steps", "save_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_turns < 0:
-            raise ValueError(f"max_turns must be >= 0, got {self.max_turns}")
+        expected = context_tokens(rollout.max_turns, rollout.max_turn_tokens, rollout.max_observation_tokens)
+        if rollout.max_context_tokens != expected or not rollout.logprobs:
+            raise ValueError(f"the rollout section of a training config bounds the context by its settings "
+                             f"({expected} tokens) and records log-probabilities; got max_context_tokens="
+                             f"{rollout.max_context_tokens}, logprobs={rollout.logprobs}")
         if self.is_level not in ("token", "sequence"):
             raise ValueError(f"is_level must be token or sequence, got {self.is_level!r}")
         if self.is_cap <= 0:
             raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
         if self.keep_rollout_steps < 0:
             raise ValueError(f"keep_rollout_steps must be >= 0, got {self.keep_rollout_steps}")
-        rollouts = self.questions_per_step * self.group_size
+        rollouts = self.questions_per_step * rollout.group_size
         if self.micro_batch_rows < 0 or (self.micro_batch_rows and rollouts % self.micro_batch_rows):
             raise ValueError(f"micro_batch_rows={self.micro_batch_rows} must divide questions_per_step x group_size "
                              f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
         dtypes.check(self.dtype, allowed=("bfloat16", "float32"))
 
-    @property
-    def backoff(self) -> BackoffConfig:
-        return BackoffConfig(mode=Mode(self.mode), lam=self.lam, eps=self.adv_eps)
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any] | None = None, /, **settings: Any) -> TrainConfig:
+        """A config from settings by name (`group_size=3`, `lam=0.5`, `teacher_url=...`, `max_steps=10`):
+        each checked against its type (:mod:`eviback.settings`), the rest left at their defaults. Raises
+        ValueError naming an unknown setting or one of the wrong type."""
+        values = {**(values or {}), **settings}
+        unknown = sorted(set(values) - set(setting_types()))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {unknown}; see `eviback train --help-config`")
+        values = check_values(setting_types(), values)
+        own = {k: v for k, v in values.items() if k not in SECTION_SETTINGS}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in values.items():
+            if key in SECTION_SETTINGS:
+                section, name = SECTION_SETTINGS[key]
+                parts[section][name] = value
+        rollout = {**{f.name: f.default for f in dataclasses.fields(RolloutConfig)}, **parts["rollout"]}
+        rollout["max_context_tokens"] = context_tokens(rollout["max_turns"], rollout["max_turn_tokens"],
+                                                       rollout["max_observation_tokens"])
+        return cls(**own, rollout=RolloutConfig(**rollout), backoff=BackoffConfig(**parts["backoff"]),
+                   teacher=TeacherSettings(**parts["teacher"]))
+
+    def with_settings(self, **settings: Any) -> TrainConfig:
+        """This config with some settings changed (by name, as :meth:`from_settings` takes them)."""
+        return type(self).from_settings({**self.to_dict(), **settings})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting by name, in plain values (what config.yaml holds, and :meth:`from_settings` takes)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECTIONS:
+                for key, (section, name) in SECTION_SETTINGS.items():
+                    if section == f.name:
+                        item = getattr(value, name)
+                        out[key] = item.value if isinstance(item, enum.Enum) else item
+            else:
+                out[f.name] = list(value) if isinstance(value, list) else value
+        return out
 
 
 def preset_names() -> list[str]:
@@ -172,8 +267,28 @@ def load_preset(name: str) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def _field_types() -> dict[str, Any]:
-    return field_types(TrainConfig)
+def setting_types() -> dict[str, Any]:
+    """Every setting by the name it is set with, with its type (a section's setting takes its field's type;
+    `mode` takes its name)."""
+    return dict(_setting_types())
+
+
+@functools.cache
+def _setting_types() -> dict[str, Any]:
+    types = {k: v for k, v in field_types(TrainConfig).items() if k not in SECTIONS}
+    for key, (section, name) in SECTION_SETTINGS.items():
+        tp = field_types(SECTIONS[section])[name]
+        types[key] = str if isinstance(tp, type) and issubclass(tp, enum.Enum) else tp
+    return types
+
+
+def setting_help(name: str) -> tuple[Any, str]:
+    """(default, help) of the setting `name`, read from the field that holds it."""
+    section, field_name = SECTION_SETTINGS.get(name, (None, name))
+    owner = SECTIONS[section] if section else TrainConfig
+    f = next(f for f in dataclasses.fields(owner) if f.name == field_name)
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return (default.value if isinstance(default, enum.Enum) else default), f.metadata.get("help", "")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -184,9 +299,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ValueError(f"override {text!r} is not key=value")
     key, value = text.split("=", 1)
     key = key.strip().replace("-", "_")
-    if key not in _field_types():
+    if key not in setting_types():
         raise ValueError(f"unknown setting {key!r}; see `eviback train --help-config`")
-    return key, parse_setting_value(key, value, _field_types()[key])
+    return key, parse_setting_value(key, value, setting_types()[key])
 
 
 def resolve_config(
@@ -194,25 +309,22 @@ def resolve_config(
 ) -> TrainConfig:
     values: dict[str, Any] = {}
     if preset:
-        values.update(check_settings(TrainConfig, load_preset(preset), f"preset {preset!r}"))
+        values.update(check_values(setting_types(), load_preset(preset), f"preset {preset!r}"))
     if config_file:
         loaded = yaml.safe_load(Path(config_file).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{config_file}: expected a mapping of settings")
-        values.update(check_settings(TrainConfig, loaded, str(config_file)))
+        values.update(check_values(setting_types(), loaded, str(config_file)))
     for item in overrides or []:
         key, value = parse_override(item)
         values[key] = value
-    unknown = sorted(set(values) - set(_field_types()))
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; see `eviback train --help-config`")
-    return TrainConfig(**values)
+    return TrainConfig.from_settings(values)
 
 
 def describe_fields() -> str:
     """One line per setting with its default and help (for `--help-config`)."""
     lines = []
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name:22s} {default!r:>16}  {f.metadata.get('help', '')}")
+    for name in TrainConfig().to_dict():
+        default, text = setting_help(name)
+        lines.append(f"  {name:22s} {default!r:>16}  {text}")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""What a run measures about its own process and the machine under it, per step (Linux `/proc`; None
-elsewhere): memory and file descriptors, which a long run must keep flat, and where the CPU went, which
+"""What a run measures about its own process and the machine under it, per step (through psutil; a figure
+the platform does not report is None): memory and file descriptors, which a long run must keep flat, and where the CPU went, which
 says whether a slow step was the run's own work or a machine shared with something else.
 
 The CPU figures of a step:
@@ -9,16 +9,17 @@ The CPU figures of a step:
 - `host/other_cpu_s`: CPU seconds the machine spent on anything but this process (other processes, the
   kernel's own work for them) over the step.
 - `host/steal_share`: the share of the machine's CPU time a virtual machine's host took for other guests
-  (`steal` in /proc/stat): time the run wanted and could not have, whatever it ran.
+  (`steal` of the machine's CPU times, Linux): time the run wanted and could not have, whatever it ran.
 
 Two runs' step times compare only where both show little of the last two.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 from dataclasses import dataclass
+
+import psutil
 
 
 def peak_rss_gb() -> float:
@@ -27,40 +28,41 @@ def peak_rss_gb() -> float:
 
 
 def process_gauges() -> dict[str, float | int | None]:
-    """What a long run must keep flat: resident memory now (GB) and open file descriptors (None where /proc
-    is missing)."""
+    """What a long run must keep flat: resident memory now (GB) and open file descriptors (None where the
+    platform does not report them)."""
     try:
-        pages = int(open("/proc/self/statm").read().split()[1])  # noqa: SIM115 - a one-line read
-        rss = pages * os.sysconf("SC_PAGE_SIZE") / 1024 ** 3
-        fds = len(os.listdir("/proc/self/fd"))
-    except (OSError, ValueError):
+        process = psutil.Process()
+        rss = process.memory_info().rss / 1024 ** 3
+        fds = process.num_fds()
+    except (psutil.Error, AttributeError, OSError):  # num_fds exists on POSIX systems only
         return {"memory/rss_gb": None, "process/open_fds": None}
     return {"memory/rss_gb": round(rss, 3), "process/open_fds": fds}
 
 
 @dataclass(frozen=True)
 class CpuSnapshot:
-    """CPU counters at one moment: this process's CPU seconds and the machine's /proc/stat totals."""
+    """CPU counters at one moment: this process's CPU seconds and the machine's CPU-time totals."""
 
     process_s: float
     busy_s: float | None = None  # machine-wide: user + nice + system + irq + softirq, in seconds
     steal_s: float | None = None
-    total_s: float | None = None  # every /proc/stat state, idle and steal included
+    total_s: float | None = None  # every state of the machine's CPU times, idle and steal included
 
 
 def _host_seconds() -> tuple[float, float, float] | None:
-    """(busy, steal, total) CPU seconds of the whole machine since boot, from /proc/stat's `cpu` line."""
+    """(busy, steal, total) CPU seconds of the whole machine since boot (psutil's CPU times: Linux's
+    /proc/stat `cpu` line in seconds); None where the platform does not report steal time."""
     try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest is in user)
-        hz = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        times = psutil.cpu_times()
+    except (psutil.Error, OSError):
         return None
-    if fields[0] != "cpu" or len(ticks) < 8:
+    # user nice system idle iowait irq softirq steal (guest time is counted in user)
+    states = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    if not all(hasattr(times, name) for name in states):
         return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
-    return (user + nice + system + irq + softirq) / hz, steal / hz, sum(ticks) / hz
+    seconds = {name: getattr(times, name) for name in states}
+    busy = sum(seconds[name] for name in ("user", "nice", "system", "irq", "softirq"))
+    return busy, seconds["steal"], sum(seconds.values())
 
 
 def cpu_snapshot() -> CpuSnapshot:
@@ -83,7 +85,7 @@ def cpu_gauges(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float | Non
     busy = after.busy_s - before.busy_s  # type: ignore[operator]
     total = after.total_s - before.total_s  # type: ignore[operator]
     steal = after.steal_s - before.steal_s  # type: ignore[operator]
-    # /proc/stat counts in clock ticks and rusage in microseconds: a few ticks of rounding either way
+    # the machine's CPU times count in clock ticks and rusage in microseconds: a few ticks of rounding either way
     record["host/other_cpu_s"] = round(max(0.0, busy - own), 3)
     record["host/steal_share"] = round(steal / total, 4) if total > 0 else None
     return record

@@ -161,6 +161,10 @@ class EviBackTrainer(GRPOTrainer):
         self._weights_step: int | None = None
         self.correction = correction or BehaviourCorrection()
         super().__init__(rollout_func=self._rollout, reward_funcs=[em_reward], **kwargs)
+        # One group size: the engine's is the run's (an engine-less trainer, in tests, only scores).
+        if engine is not None and engine.config.group_size != self.num_generations:
+            raise ValueError(f"the rollout engine samples groups of {engine.config.group_size} but TRL's "
+                             f"num_generations is {self.num_generations}; build both from one group_size")
         # Behaviour-policy correction through TRL's own vLLM path: with `use_vllm` set, TRL computes the
         # trainer's log-probs of the sampled tokens ("old" log-probs, one no-grad forward), compares them
         # with the engine's (the rollout's `logprobs`), logs the difference and multiplies the per-token
@@ -193,7 +197,7 @@ class EviBackTrainer(GRPOTrainer):
                                f"{group_size}; this adapter is written for trl==1.16.0")
         self._sync_weights()  # TRL has called it through `_EngineSync` already; this is a no-op then
         seed = self.rollout_seed * 1_000_003 + self.state.global_step * 97 + self.accelerator.process_index
-        self._batch = batch = self.engine.rollout(self._pending, group_size=group_size, seed=seed)
+        self._batch = batch = self.engine.rollout(self._pending, seed=seed)  # groups of the engine's group_size
         rows: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "em": []}
         for trajectory in batch.trajectories:
             tokens = trajectory.tokens

@@ -158,7 +158,8 @@ class JudgeExample:
 def seen_trajectory(question: Question, passages: Sequence[Passage], tokenizer, max_obs_tokens: int) -> Trajectory:  # noqa: ANN001
     """A one-search rollout whose observation is `passages` rendered and cut as the rollout engine does."""
     from eviback.protocol import render_observation
-    from eviback.train.warmstart_data import cap_observation, search_query
+    from eviback.queries import search_query
+    from eviback.train.warmstart_data import cap_observation
 
     observation = cap_observation(render_observation(passages), tokenizer, max_obs_tokens)
     query = search_query(question)
@@ -192,8 +193,8 @@ def question_searches(question: Question, search: Callable[[str], list[Passage]]
                       max_obs_tokens: int, topk: int = 3, single_passages: int = 0
                       ) -> list[tuple[str, tuple[SeenEvidence, ...]]]:
     """(source, evidence as seen) of one training question's real searches (see the module doc)."""
+    from eviback.queries import retry_query, search_query
     from eviback.teacher.workflow import answer_in_evidence
-    from eviback.train.warmstart_data import retry_query, search_query
 
     def seen(passages: Sequence[Passage]) -> tuple[SeenEvidence, ...]:
         return evidence_as_seen(seen_trajectory(question, passages, tokenizer, max_obs_tokens))
@@ -287,11 +288,10 @@ def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] 
     """(training examples, held-out examples, counts): from the suite's training questions only. Training
     examples are in the judge's unit, balanced; held-out examples are whole evidence texts (search-built and
     rollouts), as Stage A is asked about them."""
-    from eviback.data import load_suite
+    from eviback.data import check_no_eval_overlap, load_suite, read_training_questions
     from eviback.policy import load_tokenizer
+    from eviback.retrieval import open_retriever
     from eviback.teacher.judge import read_trajectories
-    from eviback.train.sft import open_retriever
-    from eviback.train.warmstart_data import check_no_eval_overlap, read_training_questions
 
     suite = load_suite(config.data)
     questions: list[Question] = read_training_questions(suite, config.train_files)

@@ -24,7 +24,6 @@ directory is refused instead of truncating the logs the first one is writing.
 
 from __future__ import annotations
 
-import fcntl
 import gzip
 import json
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from filelock import FileLock, Timeout
 
 from eviback.train.config import TrainConfig
 
@@ -46,8 +46,14 @@ RESUMABLE_CHANGES = frozenset({"max_steps", "save_steps", "save_total_limit", "e
 # config.yaml lacks the key ran with (a resumed run is compared with it, not with today's default).
 EARLIER_BEHAVIOUR = {"teacher_stage_b": "prompted"}
 
-# The run directories this process holds the lock of (resolved path -> the open lock file).
-_HELD: dict[str, Any] = {}
+# The run directories this process holds the lock of (resolved path -> the held lock).
+_HELD: dict[str, FileLock] = {}
+
+
+def _write_holder(fd: int) -> None:
+    """Write this process's pid into the lock file `fd` it has just locked (for the message of a refused one)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
 
 
 class RunDir:
@@ -78,26 +84,22 @@ class RunDir:
         if key in _HELD:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        f = open(self.lock_path, "a+")  # noqa: SIM115 - held open on purpose: the lock lives with the file
+        # An OS lock on the file (flock): the kernel drops it when the process ends. The holder writes its pid
+        # into the locked file, so that a refused process can say who holds it.
+        lock = FileLock(self.lock_path, thread_local=False, on_acquired=_write_holder)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
+            lock.acquire(timeout=0)
+        except Timeout:
+            holder = self.lock_path.read_text().strip() or "another process"
             raise RuntimeError(f"{self.root} is being trained by {holder}; stop it first (a killed run "
                                f"resumes with --resume)") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}\n")
-        f.flush()
-        _HELD[key] = f
+        _HELD[key] = lock
 
     def unlock(self) -> None:
         """Release the lock `lock` took (nothing when this process does not hold it)."""
-        f = _HELD.pop(str(self.root.resolve()), None)
-        if f is not None:
-            f.close()  # closing the file drops the flock
+        lock = _HELD.pop(str(self.root.resolve()), None)
+        if lock is not None:
+            lock.release(force=True)
 
     # ---- configuration
 
@@ -117,10 +119,11 @@ class RunDir:
             # A setting the earlier run's file does not name did not exist then: it ran with its default, or
             # with what the code did before the setting existed.
             defaults = {**type(config)().to_dict(), **EARLIER_BEHAVIOUR}
-            changed = {k for k, v in config.to_dict().items() if previous.get(k, defaults[k]) != v}
+            settings = config.to_dict()
+            changed = {k for k, v in settings.items() if previous.get(k, defaults[k]) != v}
             changed -= RESUMABLE_CHANGES
             if changed:
-                diffs = ", ".join(f"{k}: {previous.get(k)!r} -> {getattr(config, k)!r}" for k in sorted(changed))
+                diffs = ", ".join(f"{k}: {previous.get(k)!r} -> {settings[k]!r}" for k in sorted(changed))
                 raise ValueError(f"cannot resume {self.root} with a different configuration ({diffs})")
         self.config_path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         step = self.last_checkpoint_step()

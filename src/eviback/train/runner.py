@@ -4,13 +4,17 @@
     from eviback.train.runner import run_training
     result = run_training(resolve_config("eviback", overrides=["max_steps=10"]), "runs/eviback")
 
-Steps: prepare (or resume) the run directory; warm-start the policy (cached); open the retriever, the
-generation engine and, for EviBack, the teacher; train with :class:`~eviback.train.grpo.EviBackTrainer`,
-logging every step; save the final policy; evaluate it on held-out questions; draw the report.
+Steps, one function each: :func:`prepare_run` (or resume) the run directory; :func:`build_training`:
+warm-start the policy (cached), open the retriever and the generation engine; :func:`evaluate_start`;
+open the teacher (EviBack); :func:`make_trainer`: an :class:`~eviback.train.grpo.EviBackTrainer` on
+:func:`trl_arguments`, logging every step (:class:`~eviback.train.step_log.StepLog`); train, closing the
+teacher however training ends; :func:`finish_run`: save the final policy, evaluate it on held-out questions,
+draw the report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -18,30 +22,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eviback import dtype as dtypes
-from eviback.data import DataSuite, load_suite
+from eviback.data import load_suite, read_training_questions
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 
 log = logging.getLogger(__name__)
-
-# TRL's log keys -> eviback's namespaced metric keys
-TRL_KEYS = {"loss": "train/loss", "kl": "train/kl", "grad_norm": "train/grad_norm",
-            "entropy": "train/entropy", "reward": "train/reward",
-            "clip_ratio/region_mean": "train/clip_ratio", "step_time": "time/step",
-            "completions/clipped_ratio": "rollout/length_cut_share",
-            # |trainer log-prob - engine log-prob| over the sampled tokens (behaviour-policy mismatch)
-            "sampling/sampling_logp_difference/mean": "train/engine_logp_diff_mean",
-            "sampling/sampling_logp_difference/max": "train/engine_logp_diff_max",
-            "sampling/importance_sampling_ratio/min": "train/is_ratio_min",
-            "sampling/importance_sampling_ratio/mean": "train/is_ratio_mean",
-            "sampling/importance_sampling_ratio/max": "train/is_ratio_max"}
-
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -81,19 +71,19 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
         return None
     from eviback.teacher import load_policy
 
-    policy = load_policy(config.teacher)
+    policy = load_policy(config.teacher.policy)
     violations = list(policy.boundary_violations())
-    if violations and not config.allow_leaky_teacher:
+    if violations and not config.teacher.allow_leaky:
         opt_in = ("the eviback-oracle preset does" if policy.is_oracle
                   else "the eviback-single-prompt preset does")
         raise ValueError(
-            f"teacher policy {config.teacher!r} (version {policy.short_version}) breaks the evidence boundary: "
+            f"teacher policy {config.teacher.policy!r} (version {policy.short_version}) breaks the evidence boundary: "
             f"{'; '.join(violations)}. EviBack needs a status stage that never sees the gold answers; to run "
             f"this policy on purpose as a baseline, set allow_leaky_teacher=true ({opt_in})")
     if policy.is_oracle:
         log.warning("teacher %r is an ORACLE: its status is the evidence label, computed from the gold answers. "
                     "This run measures the ceiling of teacher backoff, not a teacher", policy.name)
-    return {"policy": config.teacher, "name": policy.name, "version": policy.version,
+    return {"policy": config.teacher.policy, "name": policy.name, "version": policy.version,
             "boundary_compliant": not violations, "boundary_violations": violations,
             "allowed_leaky": bool(violations), "oracle": policy.is_oracle}
 
@@ -104,14 +94,7 @@ def teacher_is_oracle(config: TrainConfig) -> bool:
         return False
     from eviback.teacher import load_policy
 
-    return load_policy(config.teacher).is_oracle
-
-
-def load_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
-    """The questions of the suite's training files (or the named ones), never an evaluation question."""
-    from eviback.train.warmstart_data import read_training_questions
-
-    return read_training_questions(suite, names)
+    return load_policy(config.teacher.policy).is_oracle
 
 
 def initial_policy(config: TrainConfig) -> str:
@@ -124,7 +107,8 @@ def initial_policy(config: TrainConfig) -> str:
 
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
-        max_examples=config.warm_start_examples, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+        max_examples=config.warm_start_examples, topk=config.rollout.topk,
+        max_obs_tokens=config.rollout.max_observation_tokens,
         seed=config.build_seed, dtype=config.dtype,
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
@@ -178,37 +162,36 @@ def load_policy_for_training(path: str, precision: Precision, resume_from: Path 
 
 
 def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherPolicy
-    """The teacher policy a run uses: `config.teacher`, except for a local teacher on the two-stage policy,
+    """The teacher policy a run uses: `config.teacher.policy`, except for a local teacher on the two-stage policy,
     whose Stage B is the extractive rule by default (`teacher_stage_b=extractive`: the two-stage-extractive
     policy, no model) and whose Stage A is the trained evidence judge by default (`teacher_stage_a=judge`:
     built from the run's training questions on first use, then cached). A served (http) teacher keeps the
     policy as named. `teacher_span_words` > 0 bounds every extractive stage at that many words."""
     from eviback.teacher import load_policy
 
-    if config.teacher_stage_a not in ("judge", "prompted"):
-        raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {config.teacher_stage_a!r}")
-    policy = load_policy(config.teacher)
-    if config.teacher_backend == "local" and config.teacher == "two-stage":
-        if config.teacher_stage_b == "extractive":
+    t = config.teacher
+    policy = load_policy(t.policy)
+    if t.backend == "local" and t.policy == "two-stage":
+        if t.stage_b == "extractive":
             policy = load_policy("two-stage-extractive")
             log.info("teacher: Stage B is the extractive span of the evidence the actor saw (teacher_stage_b="
                      "prompted keeps the LLM Stage B)")
-        if config.teacher_stage_a == "judge":
+        if t.stage_a == "judge":
             from eviback.teacher.evidence_judge import judge_policy
             from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge
 
             judge = build_judge(EvidenceJudgeConfig(
-                data=config.data, train_files=tuple(config.train_files), max_questions=config.judge_max_questions,
-                epochs=config.judge_epochs, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+                data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
+                epochs=t.judge_epochs, topk=config.rollout.topk, max_obs_tokens=config.rollout.max_observation_tokens,
                 seed=config.build_seed))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
             warn_if_uninformative(judge.path)
             policy = judge_policy(judge.sha256, base=policy)
-    if config.teacher_span_words:
+    if t.span_words:
         from eviback.teacher.extractive import with_max_words
 
-        policy = with_max_words(policy, config.teacher_span_words)
+        policy = with_max_words(policy, t.span_words)
     return policy
 
 
@@ -234,57 +217,106 @@ def warn_if_uninformative(judge_dir: Path, min_kappa: float = 0.1) -> bool:
     return True
 
 
+def teacher_config(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherConfig
+    """The teacher's own configuration, from the run's teacher settings."""
+    from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig
+    from eviback.teacher.local import LocalBackendConfig
+
+    t = config.teacher
+    return TeacherConfig(
+        policy=t.policy,
+        backend=t.backend,
+        local=LocalBackendConfig(model=t.model, dtype=config.dtype),
+        http=HttpBackendConfig(base_url=t.url, model="" if t.model == "smollm2-135m" else t.model)
+        if t.url else HttpBackendConfig(),
+        judge=JudgeConfig(concurrency=t.concurrency),
+    )
+
+
 def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
     if config.backoff.mode.value != "eviback":
         return None
-    from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig, build_teacher
-    from eviback.teacher.local import LocalBackendConfig
+    from eviback.teacher import build_teacher
 
-    return build_teacher(TeacherConfig(
-        policy=config.teacher,
-        backend=config.teacher_backend,
-        local=LocalBackendConfig(model=config.teacher_model, dtype=config.dtype),
-        http=HttpBackendConfig(base_url=config.teacher_url, model="" if config.teacher_model == "smollm2-135m"
-                               else config.teacher_model) if config.teacher_url else HttpBackendConfig(),
-        judge=JudgeConfig(concurrency=config.teacher_concurrency),
-    ), policy=teacher_policy(config))
+    return build_teacher(teacher_config(config), policy=teacher_policy(config))
 
 
-def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:  # noqa: C901
+# --------------------------------------------------------------------------------------------------
+# One run: prepare the directory, build what trains, train, finish
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """The run directory, prepared (or resumed), and the processes that train it."""
+
+    state: Any  # accelerate's PartialState: the process group (one process: nothing set up)
+    run: RunDir
+    resumed_from: int | None  # the checkpoint step resumed from (None: a fresh run)
+    checkpoint: Path | None  # the checkpoint directory resumed from
+
+    @property
+    def main(self) -> bool:
+        return self.state.is_main_process
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a run trains with: its questions, retriever, policy (and fp32 masters), optimiser and engine."""
+
+    questions: list
+    retriever: Any  # an eviback.retrieval.Retriever
+    policy_path: str  # the checkpoint training starts from (the warm start)
+    tokenizer: Any
+    precision: Precision
+    model: Any  # the trained model (bf16 with masters on CPU)
+    master: Any | None  # the fp32 master weights AdamW updates, or None
+    optimizer: Any
+    backend: Any  # the generation backend: the engine's own copy of the policy
+    engine: Any  # an eviback.rollout.RolloutEngine
+
+
+def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:
     """One run, in one process or several (torchrun / accelerate launch): every process rolls out, judges
     and trains on its own whole groups; the main process alone writes the run directory, saves the final
-    policy and evaluates it."""
+    policy and evaluates it. The teacher is closed however training ends."""
+    teacher_record = check_teacher(config)  # a leaky policy is refused before anything is written
+    start = prepare_run(config, output, resume, teacher_record)
+    training = build_training(config, start)
+    start_summary = evaluate_start(config, start, training)
+    with start.state.main_process_first():  # one process builds the cached evidence judge, the others reuse it
+        teacher = open_teacher(config)
+    try:
+        if start.main and teacher is not None:
+            record_teacher(start.run, teacher_record, teacher)
+        trainer = make_trainer(config, start, training, teacher)
+        started = time.perf_counter()
+        trainer.train(resume_from_checkpoint=str(start.checkpoint) if start.checkpoint else None)
+        log.info("trained %d steps in %.0f s", trainer.state.global_step, time.perf_counter() - started)
+    finally:
+        if teacher is not None:
+            teacher.close()
+    summary = finish_run(config, start, training, start_summary)
+    return TrainResult(start.run.root, start.run.final, trainer.state.global_step, start.resumed_from, summary,
+                       start.run.report, start_summary)
+
+
+def prepare_run(config: TrainConfig, output: str | Path, resume: bool,
+                teacher_record: dict[str, Any] | None) -> RunStart:
+    """Form the process group, and prepare (or resume) the run directory on the main process; the others
+    wait for it, then read it."""
     import torch
     from accelerate import PartialState
-    from trl import GRPOConfig
 
-    from eviback.generation import BackendConfig, load_backend
-    from eviback.policy import load_tokenizer
-    from eviback.retrieval import load_retriever, suite_retriever
-    from eviback.rollout import RolloutConfig, RolloutEngine
-    from eviback.train.gauges import cpu_gauges, cpu_snapshot, peak_rss_gb, process_gauges
-    from eviback.train.grpo import (
-        BehaviourCorrection,
-        EviBackTrainer,
-        compact_group_record,
-        group_records,
-        step_metrics,
-        training_dataset,
-    )
-    from eviback.train.precision import MasterWeightAdamW
-
-    teacher_record = check_teacher(config)  # a leaky policy is refused before anything is written
     # The process group under torchrun/accelerate (one process: nothing to set up). On CPU accelerate forms
     # the group only when told it is a CPU run, as TRL's Accelerator (use_cpu) is told later.
     state = PartialState(cpu=not torch.cuda.is_available())
-    main = state.is_main_process
     run = RunDir(output)
-    if main:
+    if state.is_main_process:
         resumed_from = run.start(config, resume)
         if teacher_record is not None:
             run.write_teacher(teacher_record)
     state.wait_for_everyone()  # the other processes read the directory only once it is prepared
-    if not main:
+    if not state.is_main_process:
         resumed_from = run.last_checkpoint_step()
     checkpoint = run.last_checkpoint()
     if resumed_from:
@@ -294,12 +326,27 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
                          f"resume with max_steps >= {resumed_from}")
     if resumed_from is not None and resumed_from == config.max_steps:
         log.info("%s already finished %d steps", run.root, resumed_from)
-    torch.manual_seed(config.seed)
+    return RunStart(state, run, resumed_from, checkpoint)
 
+
+def build_training(config: TrainConfig, start: RunStart) -> Training:
+    """The questions, the retriever, the starting policy (warm-started, cached), the trainer's model and
+    optimiser in the run's precision, and the rollout engine with its own copy of the policy."""
+    import torch
+
+    from eviback.generation import BackendConfig, load_backend
+    from eviback.policy import load_tokenizer
+    from eviback.retrieval import open_retriever
+    from eviback.rollout import RolloutEngine
+    from eviback.train.memory import rollout_kv_cache_gib
+    from eviback.train.precision import MasterWeightAdamW
+
+    run, main = start.run, start.main
+    torch.manual_seed(config.seed)
     suite = load_suite(config.data)
-    questions = load_training_questions(suite, config.train_files)
-    retriever = load_retriever(config.retriever) if config.retriever else suite_retriever(suite)
-    with state.main_process_first():  # one process builds the cached warm start, the others reuse it
+    questions = read_training_questions(suite, config.train_files)
+    retriever = open_retriever(config.retriever, suite)
+    with start.state.main_process_first():  # one process builds the cached warm start, the others reuse it
         policy_path = initial_policy(config)
     if main:
         write_start_record(run.start_path, policy_path)
@@ -312,116 +359,81 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             log.warning("%s ran in %s before and resumes in %s here (%s): the steps from here on compute in "
                         "another precision", run.root, earlier["dtype"], dtype.dtype, dtype.reason)
     log.info("compute dtype %s (%s): %s", dtype.dtype, precision.value, dtype.reason)
-    model, master = load_policy_for_training(policy_path, precision, checkpoint)
+    model, master = load_policy_for_training(policy_path, precision, start.checkpoint)
     if master is not None:
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
 
-    max_context = config.max_turn_tokens * (config.max_turns + 1) + config.max_obs_tokens * config.max_turns + 512
     # The engine holds its own copy of the policy, refreshed before each rollout step: the trainer's model
     # runs in training mode (and, on GPUs, with gradient checkpointing), which generation must not share.
     # Its KV cache is sized to one step's rollouts (train/memory.py) instead of vLLM's CPU default of 2 GiB.
-    from eviback.train.memory import rollout_kv_cache_gib
-
-    kv_cache = rollout_kv_cache_gib(config.group_size * config.questions_per_step, max_context, policy_path,
-                                    dtype.dtype)
+    rollout = config.rollout
+    kv_cache = rollout_kv_cache_gib(rollout.group_size * config.questions_per_step, rollout.max_context_tokens,
+                                    policy_path, dtype.dtype)
     backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
-                                         max_model_len=max(2048, max_context), kv_cache_gib=kv_cache))
-    engine = RolloutEngine(backend, retriever, RolloutConfig(
-        group_size=config.group_size, max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
-        max_observation_tokens=config.max_obs_tokens, max_context_tokens=min(backend.max_context, max_context),
-        topk=config.topk, temperature=config.temperature, top_p=config.top_p,
-    ))
+                                         max_model_len=max(2048, rollout.max_context_tokens), kv_cache_gib=kv_cache))
+    engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
+    return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
+                    engine)
 
-    start_summary = None
-    if main and config.eval_benchmarks and config.eval_warm_start:
-        # The engine holds the starting policy now: evaluate it on the held-out questions the trained policy
-        # will be evaluated on (resumable, so a resumed run does not redo it).
-        from eviback.evaluate import run_eval
 
-        log.info("evaluating the starting policy on the held-out questions")
-        start_summary = run_eval(held_out_eval_config(config, run.eval_start_dir, policy_path,
-                                                      max_context_tokens=engine.config.max_context_tokens),
-                                 backend=backend, retriever=retriever)
-    with state.main_process_first():  # one process builds the cached evidence judge, the others reuse it
-        teacher = open_teacher(config)
-    if main and teacher is not None:
-        # what judged this run: the policy actually loaded (e.g. the two-stage policy with the trained judge)
-        run.write_teacher({**(teacher_record or {}), "policy_used": teacher.policy.name,
-                           "version_used": teacher.policy.version,
-                           "boundary_violations_used": list(teacher.policy.boundary_violations()),
-                           "oracle_used": teacher.policy.is_oracle,
-                           # the whole policy: it may be composed for the run (judge, extractive Stage B)
-                           "policy_used_content": json.loads(teacher.policy.canonical_json())})
+def engine_rollout_config(config: TrainConfig, backend_max_context: int):  # noqa: ANN201 - a RolloutConfig
+    """The run's rollout settings as the engine runs them: the context cap lowered to what the generation
+    backend holds, when that is less."""
+    return dataclasses.replace(config.rollout, max_context_tokens=min(backend_max_context,
+                                                                      config.rollout.max_context_tokens))
 
-    pending: dict[int, dict[str, Any]] = {}
-    backoff = config.backoff
 
-    def on_step(outcome) -> None:  # noqa: ANN001 - a StepOutcome (called on the main process only)
-        pending[outcome.step] = step_metrics(outcome, backoff)
-        records = group_records(outcome)
-        run.log_groups(compact_group_record(r) for r in records)
-        run.log_rollouts(outcome.step, records, config.keep_rollout_steps)
+def evaluate_start(config: TrainConfig, start: RunStart, training: Training) -> Any | None:
+    """The starting policy (the engine holds it now) on the held-out questions the trained policy will be
+    evaluated on (main process; resumable, so a resumed run does not redo it). None when not asked for."""
+    if not (start.main and config.eval_benchmarks and config.eval_warm_start):
+        return None
+    from eviback.evaluate import run_eval
 
-    from transformers import TrainerCallback
+    log.info("evaluating the starting policy on the held-out questions")
+    return run_eval(held_out_eval_config(config, start.run.eval_start_dir, training.policy_path,
+                                         max_context_tokens=training.engine.config.max_context_tokens),
+                    backend=training.backend, retriever=training.retriever)
 
-    class LogCallback(TrainerCallback):
-        """Merge TRL's per-step logs with the step's rollout metrics into one metrics.jsonl record."""
 
-        def __init__(self) -> None:
-            self.step_started = time.perf_counter()
-            self.cpu_started = cpu_snapshot()
+def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: Any) -> None:
+    """What judged this run into teacher.json: the policy actually loaded (e.g. the two-stage policy with
+    the trained judge), beside the named policy's record."""
+    run.write_teacher({**(teacher_record or {}), "policy_used": teacher.policy.name,
+                       "version_used": teacher.policy.version,
+                       "boundary_violations_used": list(teacher.policy.boundary_violations()),
+                       "oracle_used": teacher.policy.is_oracle,
+                       # the whole policy: it may be composed for the run (judge, extractive Stage B)
+                       "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
-        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-            self.step_started = time.perf_counter()
-            self.cpu_started = cpu_snapshot()
 
-        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
-            if not main or not logs or "loss" not in logs:
-                return
-            record = pending.pop(state.global_step, {"step": state.global_step})
-            for key, name in TRL_KEYS.items():
-                if key in logs:
-                    record[name] = logs[key]
-            scheduler = kwargs.get("lr_scheduler")
-            if scheduler is not None:
-                record["train/learning_rate"] = scheduler.get_last_lr()[0]
-            spent = sum(record.get(k) or 0.0 for k in ("time/rollout", "time/retrieval", "time/teacher",
-                                                         "time/weight_sync"))
-            record["time/step"] = time.perf_counter() - self.step_started
-            record["time/update"] = max(0.0, record["time/step"] - spent)
-            record["memory/peak_rss_gb"] = round(peak_rss_gb(), 3)
-            record.update(process_gauges())
-            record.update(cpu_gauges(self.cpu_started, cpu_snapshot()))  # was the machine this run's alone?
-            record["run/dir_mb"] = run.size_mb()
-            record["processes"] = state_processes
-            run.log_metrics(record)
-            log.info("step %d/%d  em %.3f  all-zero %.2f  fallback %d (informative %d)  loss %.4f  %.0fs",
-                     state.global_step, config.max_steps, record.get("rollout/em", 0),
-                     record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_groups", 0),
-                     record.get("backoff/informative_fallback_groups", 0),
-                     record.get("train/loss", 0), record["time/step"])
+def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precision, cuda: bool):  # noqa: ANN201
+    """TRL's GRPOConfig for the run: one optimiser step per generation batch (questions_per_step groups of
+    group_size rollouts), scored in micro-batches; the sampling settings TRL needs to score the engine's
+    tokens (temperature, top_p) are the rollout's own."""
+    from trl import GRPOConfig
 
-    state_processes = state.num_processes
+    rollout = config.rollout
     # On CPU one rollout per pass: the eviback preset's peak fell from 15.4 to 10.3 GB at the same update
     # time (results/update.md); on a GPU one group per pass keeps the matmuls large.
-    rows = config.micro_batch_rows or (config.group_size if torch.cuda.is_available() else 1)
-    args = GRPOConfig(
-        output_dir=str(run.checkpoints),
+    rows = config.micro_batch_rows or (rollout.group_size if cuda else 1)
+    return GRPOConfig(
+        output_dir=str(output_dir),
         # One optimiser step per generation batch (questions_per_step groups), scored in micro-batches of
         # `rows` rollouts.
         per_device_train_batch_size=rows,
-        gradient_accumulation_steps=config.questions_per_step * config.group_size // rows,
-        num_generations=config.group_size,
+        gradient_accumulation_steps=config.questions_per_step * rollout.group_size // rows,
+        num_generations=rollout.group_size,
         max_steps=config.max_steps,
         learning_rate=config.learning_rate,
         lr_scheduler_type="constant",
         beta=config.beta,
         loss_type=config.loss_type,
-        temperature=config.temperature,  # TRL scales logits by it when computing log-probabilities
-        top_p=config.top_p,
-        max_completion_length=max_context,
+        temperature=rollout.temperature,  # TRL scales logits by it when computing log-probabilities
+        top_p=rollout.top_p,
+        max_completion_length=rollout.max_context_tokens,
         max_grad_norm=config.max_grad_norm,
         save_strategy="steps",
         save_steps=config.save_steps,
@@ -429,7 +441,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         logging_steps=1,
         report_to=config.report_to or "none",
         seed=config.seed,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not cuda,
         # CPU: precision is the bf16 copy + fp32 masters, not autocast; GPU: accelerate's bf16 autocast
         bf16=precision is Precision.AUTOCAST,
         fp16=False,
@@ -437,48 +449,58 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
         gradient_checkpointing=config.gradient_checkpointing,
         disable_tqdm=False,
     )
-    trainer = EviBackTrainer(
-        engine=engine,
-        questions={q.id: q for q in questions},
-        backoff=backoff,
+
+
+def make_trainer(config: TrainConfig, start: RunStart, training: Training, teacher: Any):  # noqa: ANN201
+    """The EviBackTrainer of the run, logging every step into the run directory (:class:`StepLog`)."""
+    import torch
+
+    from eviback.train.grpo import BehaviourCorrection, EviBackTrainer, training_dataset
+    from eviback.train.step_log import StepLog
+
+    step_log = StepLog(start.run, config.backoff, keep_rollout_steps=config.keep_rollout_steps,
+                       max_steps=config.max_steps, processes=start.state.num_processes, main=start.main)
+    return EviBackTrainer(
+        engine=training.engine,
+        questions={q.id: q for q in training.questions},
+        backoff=config.backoff,
         judge_groups=teacher.judge_groups if teacher is not None else None,
-        on_step=on_step,
+        on_step=step_log.on_rollouts,
         push_weights=True,
-        master=master,
+        master=training.master,
         rollout_seed=config.seed,
         correction=BehaviourCorrection(enabled=config.is_correction, cap=config.is_cap,
                                        mode=f"{config.is_level}_truncate"),
-        model=model,
-        args=args,
-        train_dataset=training_dataset(questions),
-        processing_class=tokenizer,
-        optimizers=(optimizer, None),
-        callbacks=[LogCallback()],
+        model=training.model,
+        args=trl_arguments(config, start.run.checkpoints, training.precision, torch.cuda.is_available()),
+        train_dataset=training_dataset(training.questions),
+        processing_class=training.tokenizer,
+        optimizers=(training.optimizer, None),
+        callbacks=[step_log],
     )
-    started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    log.info("trained %d steps in %.0f s", trainer.state.global_step, time.perf_counter() - started)
-    if teacher is not None:
-        teacher.close()
 
+
+def finish_run(config: TrainConfig, start: RunStart, training: Training, start_summary: Any | None) -> Any | None:
+    """Save the final policy (the fp32 masters where there are some), evaluate it on the held-out questions
+    and write the report (main process); then release the run directory. Returns the evaluation summary."""
+    run, main = start.run, start.main
     summary = None
     if main:
-        final = master if master is not None else model
+        final = training.master if training.master is not None else training.model
         final.save_pretrained(run.final)
-        tokenizer.save_pretrained(run.final)
+        training.tokenizer.save_pretrained(run.final)
         if config.eval_benchmarks:
             from eviback.evaluate import run_eval
 
-            backend.update_weights(model.named_parameters())
+            training.backend.update_weights(training.model.named_parameters())
             summary = run_eval(held_out_eval_config(config, run.eval_dir, str(run.final),
-                                                    max_context_tokens=engine.config.max_context_tokens),
-                               backend=backend, retriever=retriever)
+                                                    max_context_tokens=training.engine.config.max_context_tokens),
+                               backend=training.backend, retriever=training.retriever)
         write_run_report(run, summary, start_summary)
-    state.wait_for_everyone()
+    start.state.wait_for_everyone()
     if main:
         run.unlock()
-    return TrainResult(run.root, run.final, trainer.state.global_step, resumed_from, summary, run.report,
-                       start_summary)
+    return summary
 
 
 def write_start_record(path: Path, policy_path: str) -> None:
@@ -497,9 +519,8 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **ove
     return EvalConfig(
         out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
         model=model, backend=config.backend, dtype=dtypes.resolve(config.dtype), retriever=config.retriever,
-        topk=config.topk,
-        max_turns=config.max_turns, max_turn_tokens=config.max_turn_tokens,
-        max_observation_tokens=config.max_obs_tokens, **overrides,
+        topk=config.rollout.topk, max_turns=config.rollout.max_turns, max_turn_tokens=config.rollout.max_turn_tokens,
+        max_observation_tokens=config.rollout.max_observation_tokens, **overrides,
     )
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from eviback import dtype as dtypes
-from eviback.data import DataSuite, load_suite
+from eviback.data import DataSuite, load_suite, read_training_questions
 from eviback.policy import DEFAULT_MODEL, cache_dir, file_lock, load_tokenizer, resolve_model, set_threads
 from eviback.settings import check_fields
 from eviback.train import warmstart_data as wsd
@@ -155,22 +155,15 @@ class TrainStats:
 # Data
 
 
-def open_retriever(spec: str | None, suite: DataSuite):  # noqa: ANN201 - a eviback.retrieval.base.Retriever
-    """BM25 over the suite's corpus (cached by the retrieval module), or the index/service `spec` names."""
-    from eviback import retrieval
-
-    if spec is None:
-        return retrieval.suite_retriever(suite)
-    return retrieval.load_retriever(spec)
-
-
 def training_questions(config: WarmStartConfig, suite: DataSuite) -> list:
     """The questions of the chosen training files, none of them in the suite's evaluation files."""
-    return wsd.read_training_questions(suite, config.train_files)
+    return read_training_questions(suite, config.train_files)
 
 
 def build_training_set(config: WarmStartConfig, tokenizer, retriever=None):  # noqa: ANN001, ANN201
     """(selected examples, build report): trajectories from the training questions, then the selection."""
+    from eviback.retrieval import open_retriever
+
     suite = load_suite(config.data)
     questions = training_questions(config, suite)
     own_retriever = retriever is None

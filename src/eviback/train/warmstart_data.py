@@ -20,6 +20,9 @@ Only the model's own tokens are trained: :func:`tokenize_trajectory` returns the
 response ids with a mask that is 1 on model tokens and 0 on observation tokens (`TokenTrace`), and
 :func:`labels_for` turns that into causal-LM labels with -100 on the prompt and the observations.
 
+The training questions come from :func:`eviback.data.read_training_questions` (never an evaluation
+question); the queries of the searches from :mod:`eviback.queries`.
+
 Run `eviback sft --dry-run` to build the examples and print counts without training.
 """
 
@@ -27,16 +30,19 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import logging
 import random
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from eviback.data import BENCHMARKS_MULTI_HOP, DataSuite, read_questions
+from eviback.data import (
+    BENCHMARKS_MULTI_HOP,
+    eval_question_keys,  # noqa: F401 - eviback.ape.data imports it from here
+)
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import apply_chat_template, parse_action, render_observation
+from eviback.queries import SENTENCE_END, contains_words, entity_candidates, retry_query, search_query
 from eviback.retrieval.base import Retriever
 from eviback.types import Action, ActionKind, Passage, Question, StopReason, TokenTrace, Trajectory, Turn
 
@@ -74,81 +80,6 @@ class BuildReport:
     considered: Mapping[str, int] = field(default_factory=dict)
     kept: Mapping[str, int] = field(default_factory=dict)
     rejected: Mapping[str, int] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------------------------------
-# Guard: training questions never come from evaluation files.
-
-
-def eval_question_keys(suite: DataSuite) -> tuple[set[str], set[str]]:
-    """The ids and normalised question texts of every evaluation file of `suite`."""
-    ids: set[str] = set()
-    texts: set[str] = set()
-    for path in suite.eval.values():
-        for q in read_questions(path):
-            ids.add(q.id)
-            texts.add(normalize_answer(q.question))
-    return ids, texts
-
-
-def check_no_eval_overlap(questions: Iterable[Question], suite: DataSuite) -> None:
-    """Raise when a training question's id or text appears in one of the suite's evaluation files."""
-    ids, texts = eval_question_keys(suite)
-    leaked = [q.id for q in questions if q.id in ids or normalize_answer(q.question) in texts]
-    if leaked:
-        raise ValueError(
-            f"{len(leaked)} training question(s) also appear in the suite's evaluation files "
-            f"(e.g. {leaked[:3]}); train only on the suite's `train` files, or remove these questions"
-        )
-
-
-def read_training_questions(suite: DataSuite, names: Sequence[str] = ()) -> list:
-    """The questions of the suite's training files (or the named ones), each id once, never an evaluation
-    question: a training question whose id or text is also in an evaluation file is left out, with a warning
-    (a release can hold two questions of the same text about different entities, e.g. PopQA's "What is Will
-    Smith's occupation?" in both its training and its held-out split)."""
-    questions, seen = [], set()
-    for path in training_files(suite, names):
-        for q in read_questions(path):
-            if q.id not in seen:  # the same id in two files is one question
-                seen.add(q.id)
-                questions.append(q)
-    ids, texts = eval_question_keys(suite)
-    kept = [q for q in questions if q.id not in ids and normalize_answer(q.question) not in texts]
-    if len(kept) < len(questions):
-        left_out = [q.id for q in questions if q not in kept][:3]
-        logging.getLogger(__name__).warning(
-            "%d training question(s) left out: their id or text is also in the suite's evaluation files (e.g. %s)",
-            len(questions) - len(kept), left_out)
-    return kept
-
-
-def training_files(suite: DataSuite, names: Sequence[str] = ()) -> tuple:
-    """The suite's training files, or the named subset of them (by path or by file stem, e.g. `nq_train`).
-
-    Evaluation files are refused: a warm start never sees an evaluation question."""
-    if not names:
-        if not suite.train:
-            raise ValueError(f"the data suite {suite.root} lists no training files; add a `train` list to it")
-        return suite.train
-    by_name = {_stem(p): p for p in suite.train}
-    chosen = []
-    for name in names:
-        path = by_name.get(_stem(name)) or next((p for p in suite.train if str(p) == str(name)), None)
-        if path is None:
-            raise ValueError(
-                f"{name!r} is not a training file of the suite {suite.root}; choose from "
-                f"{', '.join(sorted(by_name))}"
-            )
-        chosen.append(path)
-    return tuple(chosen)
-
-
-def _stem(path) -> str:  # noqa: ANN001 - str or Path
-    name = str(path).rsplit("/", 1)[-1]
-    for suffix in (".gz", ".jsonl", ".json", ".parquet"):
-        name = name.removesuffix(suffix)
-    return name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,9 +127,6 @@ def _make_search(query: str, passages: Sequence[Passage], tokenizer, max_obs_tok
 # Finding a gold answer in the evidence
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
-
-
 @dataclass(frozen=True)
 class _Grounding:
     doc: int  # 1-based position in the search's passages
@@ -239,7 +167,7 @@ def find_answer(golds: Sequence[str], text: str) -> tuple[str, int, int] | None:
 
 def _sentence_around(text: str, start: int, end: int, max_words: int = 30) -> str:
     """The sentence of `text` containing [start, end), cut to about `max_words` words around the span."""
-    bounds = [0] + [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]
+    bounds = [0] + [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]
     s = max(b for b in bounds if b <= start)
     e = min((b for b in bounds if b >= end), default=len(text))
     sentence = text[s:e].strip()
@@ -277,68 +205,6 @@ def _ground_question(question: Question, search: _Search, allowed_ids: Iterable[
     subject = question.metadata.get("subj")
     allowed = question.gold_passage_ids if allowed_ids is None else allowed_ids
     return ground(question.golden_answers, search, allowed, str(subject) if subject else None)
-
-
-# --------------------------------------------------------------------------------------------------
-# Second-hop queries
-
-
-_ENTITY = re.compile(r"[A-Z0-9][\w'’&.\-]*(?:\s+(?:(?:of|the|de|and|la|von|van|du|del)\s+)*[A-Z0-9][\w'’&.\-]*)*")
-# Words that begin a capitalised run without being part of the name ("In", "The", "It", ...).
-_LEADING = frozenset((
-    "a", "an", "the", "in", "on", "at", "of", "it", "he", "she", "they", "his", "her", "its", "their", "this",
-    "that", "these", "those", "there", "after", "before", "during", "when", "while", "as", "by", "for", "from",
-    "with", "and", "but", "or", "if", "since",
-))
-_STOPWORDS = frozenset((
-    "a", "an", "the", "of", "in", "on", "at", "to", "for", "by", "with", "from", "and", "or", "is", "was", "are",
-    "were", "be", "been", "what", "who", "whom", "whose", "which", "when", "where", "why", "how", "did", "does",
-    "do", "that", "this", "these", "those", "as", "into", "than", "then", "it", "its", "his", "her", "their",
-    "there",
-))
-
-
-def entity_candidates(text: str, question: str, exclude: Iterable[str] = ()) -> list[str]:
-    """Named-entity-like spans of `text` (runs of capitalised words) that the question does not mention."""
-    q = f" {normalize_answer(question)} "
-    excluded = {normalize_answer(x) for x in exclude}
-    out: list[str] = []
-    for sentence in _SENTENCE_END.split(text):
-        for match in _ENTITY.finditer(sentence):
-            words = re.sub(r"['’]s?$", "", match.group().rstrip(".,;:-")).split()
-            while words and words[0].lower() in _LEADING:
-                words = words[1:]
-            span = " ".join(words)
-            norm = normalize_answer(span)
-            if len(norm) < 3 or norm in _STOPWORDS or f" {norm} " in q or norm in excluded:
-                continue
-            if span not in out:
-                out.append(span)
-    return out
-
-
-def contains_words(haystack: str, needle: str) -> bool:
-    """Whole-word containment after SQuAD normalisation."""
-    needle = normalize_answer(needle)
-    return bool(needle) and f" {needle} " in f" {normalize_answer(haystack)} "
-
-
-def retry_query(question: Question) -> str:
-    """A shorter reformulation: subject + relation where the data set records them, else the keywords."""
-    subject = question.metadata.get("subj")
-    relation = {"occupation": "occupation", "place of birth": "born", "genre": "genre", "country": "country",
-                "capital": "capital", "author": "author", "director": "director", "producer": "producer",
-                "composer": "composer", "father": "father", "mother": "mother", "religion": "religion",
-                "sport": "sport", "color": "color", "capital of": "capital"}
-    if subject and question.metadata.get("prop"):
-        return f"{subject} {relation.get(str(question.metadata['prop']), str(question.metadata['prop']))}"
-    words = [w for w in re.findall(r"[\w'’\-]+", question.question) if w.lower() not in _STOPWORDS]
-    return " ".join(words)
-
-
-def search_query(question: Question) -> str:
-    """The first query: the question itself, without its question mark."""
-    return question.question.strip().rstrip("?").strip()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -589,6 +455,5 @@ def model_actions(trajectory: Trajectory) -> list[Action]:
 
 __all__ = [
     "BUILDER_VERSION", "ActionKind", "BuildReport", "ExampleKind", "WarmStartExample", "build_examples",
-    "cap_observation", "check_no_eval_overlap", "eval_question_keys", "find_answer", "ground", "labels_for", "read_training_questions",
-    "select_examples", "tokenize_trajectory", "training_files",
+    "cap_observation", "find_answer", "ground", "labels_for", "select_examples", "tokenize_trajectory",
 ]
