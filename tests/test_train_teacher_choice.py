@@ -29,7 +29,8 @@ def built(monkeypatch):
 
 
 def test_a_local_two_stage_teacher_has_the_judge_and_the_extractive_stage_b_by_default(built):
-    config = TrainConfig.from_settings(train_files=["popqa_train"], judge_max_questions=50, max_obs_tokens=300)
+    config = TrainConfig.from_settings(train_files=["popqa_train"], judge_max_questions=50, max_obs_tokens=300,
+                                       judge_rollouts=["ws_rollouts.jsonl.gz"])
     policy = teacher_policy(config)
     assert policy == judge_policy(SHA, base=load_policy("two-stage-extractive"))
     assert policy.name == "two-stage-extractive-judge"
@@ -37,6 +38,7 @@ def test_a_local_two_stage_teacher_has_the_judge_and_the_extractive_stage_b_by_d
     assert not policy.needs_llm and policy.boundary_violations() == ()  # the local teacher loads no LLM
     (asked,) = built
     assert asked.train_files == ("popqa_train",) and asked.max_questions == 50 and asked.max_obs_tokens == 300
+    assert asked.rollouts == ("ws_rollouts.jsonl.gz",)  # the warm start's rollouts the judge learns from
 
 
 def test_the_prompted_stages_other_policies_and_http_teachers(built):

@@ -58,6 +58,9 @@ class TeacherSettings:
     judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is built "
                                      "from (0: all)"})
     judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
+    judge_rollouts: list[str] = field(default_factory=list, metadata={"help": "rollout dumps (JSONL, .gz too) of the "
+                                      "warm-started actor on training questions that the evidence judge also "
+                                      "learns from (benchmarks/bench_teacher_rollouts.py --judge-split train)"})
     stage_b: str = field(default="extractive", metadata={"help": "with a local teacher and the two-stage policy: "
                          "'extractive' answers Stage B with the span of the evidence the actor saw that best matches "
                          "the gold (no model: the two-stage-extractive policy); 'prompted' keeps the policy's LLM "
@@ -104,6 +107,7 @@ SECTION_SETTINGS: dict[str, tuple[str, str]] = {
     "teacher_stage_a": ("teacher", "stage_a"),
     "judge_max_questions": ("teacher", "judge_max_questions"),
     "judge_epochs": ("teacher", "judge_epochs"),
+    "judge_rollouts": ("teacher", "judge_rollouts"),
     "teacher_stage_b": ("teacher", "stage_b"),
     "teacher_span_words": ("teacher", "span_words"),
 }

@@ -182,7 +182,7 @@ def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Te
 
             judge = build_judge(EvidenceJudgeConfig(
                 data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
-                epochs=t.judge_epochs, topk=config.rollout.topk, max_obs_tokens=config.rollout.max_observation_tokens,
+                epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts), topk=config.rollout.topk, max_obs_tokens=config.rollout.max_observation_tokens,
                 seed=config.build_seed))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
