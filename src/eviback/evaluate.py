@@ -398,11 +398,9 @@ def _check_resume(out: Path, config: EvalConfig, overwrite: bool) -> None:
 
 
 def open_retriever(config: EvalConfig) -> Retriever:
-    from eviback.retrieval import load_retriever, suite_retriever
+    from eviback import retrieval
 
-    if config.retriever:
-        return load_retriever(config.retriever)
-    return suite_retriever(load_suite(config.data))
+    return retrieval.open_retriever(config.retriever, load_suite(config.data))
 
 
 def run_eval(

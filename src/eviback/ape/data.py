@@ -32,12 +32,10 @@ from eviback.types import Status, Trajectory
 
 def refuse_eval_questions(trajectories: Sequence[Trajectory], suite: str | None) -> None:
     """Raise when a rollout's question is one of the suite's evaluation questions (by id or text)."""
-    from eviback.metrics import normalize_answer
-    from eviback.train.warmstart_data import eval_question_keys
+    from eviback.data import eval_overlap
 
-    ids, texts = eval_question_keys(load_suite(suite))
-    leaked = sorted({t.question.id for t in trajectories
-                     if t.question.id in ids or normalize_answer(t.question.question) in texts})
+    leaked = sorted({q.id for q in eval_overlap({t.question.id: t.question for t in trajectories}.values(),
+                                                load_suite(suite))})
     if leaked:
         raise ValueError(
             f"{len(leaked)} rollout question(s) are evaluation questions of the data suite "

@@ -36,10 +36,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from eviback.data import (
-    BENCHMARKS_MULTI_HOP,
-    eval_question_keys,  # noqa: F401 - eviback.ape.data imports it from here
-)
+from eviback.data import BENCHMARKS_MULTI_HOP
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import apply_chat_template, parse_action, render_observation
 from eviback.queries import SENTENCE_END, contains_words, entity_candidates, retry_query, search_query
