@@ -97,9 +97,9 @@ class FaissImportConfig:
     nlist: int = _help("IVF lists (0: the power of two nearest 2*sqrt(passages), at most passages/39)",
                        default=0)
     pq_m: int = _help("PQ sub-quantizers = bytes per passage in RAM (must divide the dimension)", default=96)
-    nprobe: int = _help("IVF lists searched per query (more: better recall, slower)", default=32)
+    nprobe: int = _help("IVF lists searched per query (more: better recall, slower)", default=16)
     rerank: int = _help("candidates per query re-scored exactly from the flat file (0: none, scores from "
-                        "the compressed codes)", default=64)
+                        "the compressed codes)", default=128)
     train_size: int = _help("vectors sampled to train the IVF and the codes (0: max(64k, 40*nlist), at "
                             "most 1M and the passage count)", default=0)
     chunk_size: int = _help("vectors read and added per step", default=65536)
