@@ -2,6 +2,8 @@
 
     python benchmarks/bench_retrieval_faiss_import.py WORK_DIR --passages 1000000 [--dim 768] \
         [--out results/retrieval-faiss/1m.json]
+    python benchmarks/bench_retrieval_faiss_import.py --extrapolate results/retrieval-faiss/1m.json ... \
+        [--target 21015324] [--out results/retrieval-faiss/extrapolation-21m.json]
 
 Writes into WORK_DIR (delete it afterwards; 1M x 768 is 3.1 GB, 5M 15.4 GB):
 - `flat.index`: a FAISS IndexFlatIP file (the header faiss.write_index writes, then the rows) of clustered
@@ -34,6 +36,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -166,6 +169,7 @@ def child_serve(work: Path, count: int, seed: int, settings: list[tuple[int, int
         retriever._encoder.encode(texts)
         encode_times.append(time.perf_counter() - t)
     out["encoder_32_queries"] = _percentiles(encode_times)
+    out["rss_after_encoder"] = _rss()
 
     ivf = faiss.extract_index_ivf(retriever._index)
     for nprobe, rerank in [default] + [s for s in settings if s != default]:
@@ -181,13 +185,17 @@ def child_serve(work: Path, count: int, seed: int, settings: list[tuple[int, int
         recall = float(np.mean([len(set(a) & set(b)) / 3 for a, b in zip(rows.tolist(), exact.tolist(), strict=True)]))
         row: dict = {"nprobe": nprobe, "rerank": rerank, "recall_at_3": round(recall, 4)}
         for batch, calls in ((1, 300), (32, 60)):
-            times = []
+            times, cpu = [], []
             for i in range(calls):
                 x = q[(i * batch) % count:(i * batch) % count + batch]
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 retriever.search_vectors(x, 3)
                 times.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
             row[f"batch_{batch}"] = _percentiles(times)
+            # CPU seconds of all this process's threads per call: what the call costs whatever else runs on
+            # the machine; on 2 idle cores its wall time is at most this (less where FAISS uses both).
+            row[f"batch_{batch}_cpu"] = _percentiles(cpu)
         ivf_times, quantizer_times = [], []
         for i in range(60):
             x = q[(i * 32) % count:(i * 32) % count + 32]
@@ -211,6 +219,7 @@ def child_serve(work: Path, count: int, seed: int, settings: list[tuple[int, int
             row["batch_32_cold_flat_file"] = _percentiles(times)
         if rerank == 0:
             retriever._reader = reader
+        row["rss_after"] = _rss()
         out["settings"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     out["rss_after_queries"] = _rss()
@@ -229,30 +238,126 @@ def run_child(step: str, args: argparse.Namespace) -> tuple[dict, float, float]:
 
 def _wait(command: list[str]) -> tuple[dict, float, float]:
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     output = process.stdout.read()
+    sys.stderr.write(output)  # the child's log and progress bars, for the record
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         raise SystemExit(f"{command} failed with exit code {process.returncode}")
     lines = [line for line in output.splitlines() if line.startswith("{")]
-    return (json.loads(lines[-1]) if lines else {}), time.perf_counter() - started, usage.ru_maxrss * 1024 / 1e9
+    parsed = json.loads(lines[-1]) if lines and lines[-1].rstrip().endswith("}") else {}
+    trained = re.search(r"trained in ([0-9.]+) s", output)
+    if trained:  # the import's log line: the k-means part of its time
+        parsed["train_seconds"] = float(trained.group(1))
+    return parsed, time.perf_counter() - started, usage.ru_maxrss * 1024 / 1e9
+
+
+def serve_again(args: argparse.Namespace, settings: list) -> None:
+    result = json.loads(args.out.read_text())
+    command = [sys.executable, "-m", "eviback.cli", "index", "import-faiss", str(args.work / "flat.index"),
+               str(args.work / "corpus.jsonl.gz"), "--out", str(args.work / "index"), "--model",
+               str(args.work / "encoder"), *args.import_options.split()]
+    _, seconds, _ = _wait(command)
+    result["serve_rerun"] = {"import_command": " ".join(command[1:]).replace(str(args.work), "WORK"),
+                             "reimport_seconds": round(seconds, 1),
+                             "manifest_params": json.loads((args.work / "index" / "manifest.json").read_text())["params"],
+                             "load_average_before": [round(v, 2) for v in os.getloadavg()]}
+    if not (args.work / "exact.npy").exists():
+        run_child("exact", args)
+    serve, seconds, peak = run_child("serve", args)
+    result["serve"] = {**serve, "peak_rss_gb": round(peak, 3), "seconds": round(seconds, 1)}
+    result["serve_rerun"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+    text = json.dumps(result, indent=2).replace(str(args.work.resolve()), "WORK").replace(str(args.work), "WORK")
+    print(text)
+    args.out.write_text(text + "\n")
+
+
+def extrapolate(paths: list[Path], target: int) -> dict:
+    """Serving RSS, latency and import time at `target` passages from measured runs (see the formulas)."""
+    from eviback.retrieval.imported import auto_nlist
+
+    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["passages"])
+    out: dict = {"target_passages": target, "from": [str(p) for p in paths], "formulas": {
+        "serving_rss": "RSS(N) = RSS0 + N * b: b fitted by least squares over the measured runs (with one run, "
+                       "b = the measured ivf.faiss bytes per passage); RSS0 = what remains (Python, torch, the "
+                       "encoder, FAISS, the service); both from RSS after the queries and from peak RSS",
+        "latency_batch_32": "t(N) = t_quantizer * nlist(N)/nlist_run + t_scan * codes(N)/codes_run + t_rerank, "
+                            "codes = nprobe * N / nlist per query, t_quantizer = the coarse quantizer alone, "
+                            "t_scan = IVF search minus quantizer, t_rerank = full search minus IVF search "
+                            "(independent of N: rerank x 32 rows read and scored); p50 and p99 each",
+        "import": "t(N) = t_run * (N / N_run) * (nlist(N) / nlist_run): adding is the assignment of every vector "
+                  "to its list (N * nlist dot products) and dominates; training grows with train_size * nlist; "
+                  "the corpus copy with N"}}
+    n = np.array([r["passages"] for r in runs], dtype=float)
+    nlist_target = auto_nlist(target)
+    out["nlist_at_target"] = nlist_target
+    for key, pick in (("after_queries", lambda r: r["serve"]["rss_after_queries"]["rss_gb"]),
+                      ("peak", lambda r: r["serve"]["peak_rss_gb"])):
+        rss = np.array([pick(r) for r in runs])
+        if len(runs) > 1:
+            b, rss0 = np.polyfit(n, rss, 1)
+        else:
+            b = runs[0]["index_files_gb"]["ivf.faiss"] / n[0]
+            rss0 = rss[0] - b * n[0]
+        out[f"serving_rss_{key}_gb"] = {"rss0_gb": round(float(rss0), 3), "bytes_per_passage": round(float(b) * 1e9, 1),
+                                        "at_target_gb": round(float(rss0 + b * target), 2)}
+    latest = runs[-1]
+    nlist_run = latest["serve"]["ivf_lists"]
+    params = latest.get("serve_rerun", {}).get("manifest_params") or latest["import"]["manifest"]["params"]
+    default = next(s for s in latest["serve"]["settings"] if (s["nprobe"], s["rerank"]) ==
+                   (params["nprobe"], params["rerank"]))
+    codes_run = default["nprobe"] * latest["passages"] / nlist_run
+    codes_target = default["nprobe"] * target / nlist_target
+    latency = {"from_passages": latest["passages"], "nprobe": default["nprobe"], "rerank": default["rerank"],
+               "nlist_run": nlist_run, "codes_per_query_run": round(codes_run), "codes_per_query_target": round(codes_target)}
+    for q in ("p50_ms", "p99_ms"):
+        quantizer = default["batch_32_quantizer_only"][q]
+        scan = max(default["batch_32_ivf_only"][q] - quantizer, 0.0)
+        rerank = max(default["batch_32"][q] - default["batch_32_ivf_only"][q], 0.0)
+        warm = quantizer * nlist_target / nlist_run + scan * codes_target / codes_run + rerank
+        latency[q] = {"quantizer": quantizer, "scan": round(scan, 2), "rerank_warm": round(rerank, 2),
+                      "at_target_warm": round(warm, 1)}
+        if "batch_32_cold_flat_file" in default:
+            cold = max(default["batch_32_cold_flat_file"][q] - default["batch_32_ivf_only"][q], 0.0)
+            latency[q]["rerank_cold"] = round(cold, 2)
+            latency[q]["at_target_cold"] = round(warm - rerank + cold, 1)
+    out["latency_batch_32"] = latency
+    import_run = latest["import"]
+    nlist_import = import_run["manifest"]["params"]["nlist"]
+    out["import"] = {"from_passages": latest["passages"], "seconds_run": import_run["seconds"],
+                     "at_target_hours": round(import_run["seconds"] * target / latest["passages"] * nlist_target
+                                              / nlist_import / 3600, 2),
+                     "peak_rss_gb_runs": [r["import"]["peak_rss_gb"] for r in runs]}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("work", type=Path)
+    parser.add_argument("work", type=Path, nargs="?")
     parser.add_argument("--passages", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--settings", default="16:64,64:64,32:0,32:16,32:128,32:256",
+    parser.add_argument("--settings", default="32:128,16:64,16:256,16:0,8:128",
                         help="other nprobe:rerank pairs measured besides the default")
     parser.add_argument("--import-options", default="", help="extra options for eviback index import-faiss")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--serve-only", action="store_true",
+                        help="keep the import figures in --out and WORK_DIR's index; re-import without --force "
+                             "(which only rewrites the manifest's nprobe and rerank) and measure serving again")
+    parser.add_argument("--extrapolate", nargs="+", type=Path, metavar="RESULT_JSON",
+                        help="print (and write to --out) the projection to --target passages of measured runs")
+    parser.add_argument("--target", type=int, default=21_015_324, help="passages to extrapolate to (wiki-18)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.extrapolate:
+        text = json.dumps(extrapolate(args.extrapolate, args.target), indent=2)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return
     settings = [tuple(int(v) for v in pair.split(":")) for pair in args.settings.split(",") if pair]
     if args.child == "exact":
         print(json.dumps(child_exact(args.work, args.queries, args.seed)))
@@ -263,6 +368,9 @@ def main() -> None:
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `eviback serve` and `import-faiss` set it
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.serve_only:
+        serve_again(args, settings)
+        return
     result: dict = {"passages": args.passages, "dim": args.dim, "queries": args.queries,
                     "machine": {"cpus": os.cpu_count(), "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "python": platform.python_version(),
                                 "load_average_before": [round(v, 2) for v in os.getloadavg()]}}
@@ -275,8 +383,9 @@ def main() -> None:
                str(args.work / "corpus.jsonl.gz"), "--out", str(args.work / "index"), "--model",
                str(args.work / "encoder"), "--force", *args.import_options.split()]
     result["import_command"] = " ".join(command[1:]).replace(str(args.work), "WORK")
-    _, seconds, peak = _wait(command)
-    result["import"] = {"seconds": round(seconds, 1), "peak_rss_gb": round(peak, 3),
+    logged, seconds, peak = _wait(command)
+    result["import"] = {"seconds": round(seconds, 1), "train_seconds": logged.get("train_seconds"),
+                        "peak_rss_gb": round(peak, 3),
                         "manifest": json.loads((args.work / "index" / "manifest.json").read_text())}
     result["index_files_gb"] = {p.name: round(p.stat().st_size / 1e9, 3) for p in (args.work / "index").iterdir()}
     _, seconds, _ = run_child("exact", args)
@@ -284,7 +393,7 @@ def main() -> None:
     serve, seconds, peak = run_child("serve", args)
     result["serve"] = {**serve, "peak_rss_gb": round(peak, 3), "seconds": round(seconds, 1)}
     result["machine"]["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
-    text = json.dumps(result, indent=2)
+    text = json.dumps(result, indent=2).replace(str(args.work.resolve()), "WORK").replace(str(args.work), "WORK")
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
