@@ -15,6 +15,8 @@ import sys
 # name -> module under eviback.commands; the order is the order of `eviback --help`
 COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "build-judge", "sft", "train", "experiment", "ape",
             "report")
+# `eviback COMMAND WORD ...` run by their own module: (command, word) -> module under eviback.commands
+SUBCOMMANDS = {("index", "import-faiss"): "index_import"}
 
 
 def _load(name: str):
@@ -49,8 +51,41 @@ def configure_logging(level: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
+def _subcommand(argv: list[str]) -> tuple[str, list[str], list[str]] | None:
+    """(module, options before the command, arguments after the word) when argv names a SUBCOMMANDS entry."""
+    words = [i for i, a in enumerate(argv) if not a.startswith("-")]
+    if len(words) >= 2 and (argv[words[0]], argv[words[1]]) in SUBCOMMANDS and words[1] == words[0] + 1:
+        return SUBCOMMANDS[argv[words[0]], argv[words[1]]], argv[:words[0]], argv[words[1] + 1:]
+    return None
+
+
+def _run_subcommand(module_name: str, name: str, before: list[str], rest: list[str]) -> int:
+    module = _load(module_name)
+    parser = argparse.ArgumentParser(prog=f"eviback {name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    module.add_arguments(parser)
+    args = parser.parse_args(before + rest)
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
+        if args.verbose:
+            raise
+        print(f"eviback {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    sub = _subcommand(argv)
+    if sub is not None:
+        module_name, before, rest = sub
+        name = next(f"{c} {w}" for (c, w), m in SUBCOMMANDS.items() if m == module_name)
+        return _run_subcommand(module_name, name, before, rest)
     # Build only the chosen subcommand's arguments, so `eviback serve ...` imports nothing else.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=chosen if chosen in COMMANDS else None)

@@ -3,6 +3,9 @@
   eviback index CORPUS --out DIR                       BM25 (bm25s), seconds for 100k passages
   eviback index CORPUS --out DIR --kind dense          sentence-transformers + FAISS (all-MiniLM-L6-v2)
   eviback index CORPUS --out DIR --kind dense --model PATH --query-prefix 'query: ' --passage-prefix 'passage: '
+  eviback index import-faiss FLAT_INDEX CORPUS --out DIR --model PATH
+                                                       an existing FAISS flat index (Search-R1's e5_Flat.index)
+                                                       in bounded RAM: `eviback index import-faiss --help`
 
 Rerunning the same command on a finished index does nothing; an interrupted dense build resumes where it
 stopped. An index of another corpus (or other parameters) in DIR is refused unless --force.
@@ -17,11 +20,11 @@ HELP = "build a BM25 or dense retrieval index from a corpus"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback.retrieval.config import BM25Config, DenseConfig, IndexKind, add_config_arguments
+    from eviback.retrieval.config import BUILD_KINDS, BM25Config, DenseConfig, add_config_arguments
 
     parser.add_argument("corpus", help="corpus JSONL ({'id', 'contents'} or {'id', 'title', 'text'} lines)")
     parser.add_argument("--out", required=True, help="index directory to create")
-    parser.add_argument("--kind", choices=[k.value for k in IndexKind], default="bm25", help="index kind (default: bm25)")
+    parser.add_argument("--kind", choices=[k.value for k in BUILD_KINDS], default="bm25", help="index kind (default: bm25)")
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if DIR holds an index of another corpus or other parameters")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

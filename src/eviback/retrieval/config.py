@@ -21,6 +21,11 @@ class IndexKind(enum.StrEnum):
 
     BM25 = "bm25"
     DENSE = "dense"
+    FAISS_IMPORT = "faiss-import"  # made by `eviback index import-faiss`, not by `--kind`
+
+
+BUILD_KINDS = (IndexKind.BM25, IndexKind.DENSE)  # what `eviback index --kind` builds from a corpus
+COMPRESSIONS = ("ivfpq", "sq8", "flat")
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -70,6 +75,51 @@ class DenseConfig:
         what a resumed build must match."""
         return {"model": self.model, "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
                 "normalize": self.normalize, "max_seq_length": self.max_seq_length}
+
+
+@dataclass(frozen=True)
+class FaissImportConfig:
+    """An existing FAISS flat inner-product index (Search-R1's e5_Flat.index) served within bounded RAM.
+
+    `ivfpq` keeps `pq_m` bytes per passage in RAM (96: 2.0 GB at 21M passages) and re-scores the `rerank`
+    best candidates of each query exactly, from the original flat file read by row (so scores are
+    Search-R1's); `sq8` keeps `d` bytes per passage (16 GB at 21M x 768: for large machines); `flat` loads
+    the original file whole, Search-R1's own exact mode (64.6 GB at 21M x 768)."""
+
+    model: str = _help("query encoder: a local Hugging Face / sentence-transformers model directory, e.g. a "
+                       "download of intfloat/e5-base-v2 (required)", default="")
+    query_prefix: str = _help("text put before every query (e5: 'query: ')", default="query: ")
+    pooling: str = _help("token pooling of the encoder: mean (e5) or cls", default="mean")
+    max_length: int = _help("truncate queries to this many tokens (Search-R1: 256)", default=256)
+    normalize: bool = _help("L2-normalise query vectors (e5: yes)", default=True)
+    compression: str = _help("ivfpq (bounded RAM, re-ranked exactly), sq8 (d bytes per passage) or flat "
+                             "(the original index loaded whole)", default="ivfpq")
+    nlist: int = _help("IVF lists (0: the power of two nearest 2*sqrt(passages), at most passages/39)",
+                       default=0)
+    pq_m: int = _help("PQ sub-quantizers = bytes per passage in RAM (must divide the dimension)", default=96)
+    nprobe: int = _help("IVF lists searched per query (more: better recall, slower)", default=16)
+    rerank: int = _help("candidates per query re-scored exactly from the flat file (0: none, scores from "
+                        "the compressed codes)", default=128)
+    train_size: int = _help("vectors sampled to train the IVF and the codes (0: max(64k, 40*nlist), at "
+                            "most 1M and the passage count)", default=0)
+    chunk_size: int = _help("vectors read and added per step", default=65536)
+    seed: int = _help("seed of the training sample", default=0)
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {self.compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+        if self.pooling not in ("mean", "cls"):
+            raise ValueError(f"unknown pooling {self.pooling!r}; choose mean (e5) or cls")
+        if min(self.nlist, self.train_size, self.rerank) < 0 or min(self.pq_m, self.nprobe, self.chunk_size,
+                                                                    self.max_length) < 1:
+            raise ValueError("nlist, train_size and rerank must be >= 0; pq_m, nprobe, chunk_size and "
+                             "max_length at least 1")
+
+    def index_params(self) -> dict[str, Any]:
+        """What decides the files written (search-time settings and chunk size do not)."""
+        return {"model": self.model, "query_prefix": self.query_prefix, "pooling": self.pooling,
+                "max_length": self.max_length, "normalize": self.normalize, "compression": self.compression,
+                "nlist": self.nlist, "pq_m": self.pq_m, "train_size": self.train_size, "seed": self.seed}
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,8 @@ def _params(kind: IndexKind, bm25: BM25Config | None, dense: DenseConfig | None)
 
 
 def _rebuild_hint(corpus: str, out: Path, kind: IndexKind) -> str:
+    if kind is IndexKind.FAISS_IMPORT:
+        return f"eviback index import-faiss FLAT_INDEX {corpus} --out {out} --force"
     kind_option = "" if kind is IndexKind.BM25 else f" --kind {kind}"
     return f"eviback index {corpus} --out {out}{kind_option} --force"
 
@@ -123,6 +125,9 @@ def build_index(
     processes building the same `out` at once are serialised by a lock file (`lock`, default: one in
     `cache_dir()/locks` named after `out`)."""
     kind = IndexKind(kind)
+    if kind is IndexKind.FAISS_IMPORT:
+        raise ValueError("an imported FAISS index is made by eviback.retrieval.imported.import_faiss "
+                         "(`eviback index import-faiss`), not built from a corpus")
     corpus = Path(corpus)
     if not corpus.is_file():
         raise FileNotFoundError(f"corpus {corpus} not found")
@@ -221,15 +226,20 @@ def check_corpus(directory: str | os.PathLike, manifest: Manifest, known_sha256:
 
 def load_index(directory: str | os.PathLike, *, verify_corpus: bool = True,
                known_sha256: str | None = None) -> Retriever:
-    """The in-process retriever of an index directory (BM25 or dense, as its manifest says)."""
+    """The in-process retriever of an index directory (BM25, dense or an imported FAISS index, as its
+    manifest says)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if verify_corpus:
         check_corpus(directory, manifest, known_sha256)
-    if manifest.kind is IndexKind.BM25:
+    if manifest.kind is IndexKind.FAISS_IMPORT:
+        from eviback.retrieval.imported import ImportedIndex
+
+        retriever: Any = ImportedIndex(directory, manifest.params)
+    elif manifest.kind is IndexKind.BM25:
         from eviback.retrieval.bm25 import BM25Index
 
-        retriever: Any = BM25Index(directory, BM25Config(**manifest.params))
+        retriever = BM25Index(directory, BM25Config(**manifest.params))
     else:
         from eviback.retrieval.dense import DenseIndex
 

@@ -11,8 +11,8 @@ unescaped). With `"return_scores": false` each item is `{"document": {...}}` (Se
 that case). `topk` defaults to 3. `GET /health` answers `{"status": "ok", ...}` with the index's manifest
 and the request counters.
 
-Bad input never reaches the index: malformed JSON is a 400, a body over the size limit a 413, and wrong
-types, a missing or empty query list, too many queries, an over-long query or a `topk` out of range a 422,
+Bad input never reaches the index: malformed JSON is a 400, a body over the size limit a 413, and (checked
+by a pydantic model, :func:`request_model`) wrong types, a missing or empty query list, too many queries, an over-long query or a `topk` out of range a 422,
 each with `{"detail": reason}`. Requests that arrive together are merged by :class:`Batcher` into one
 batched search call, which is what lets many concurrent clients share one index efficiently.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -29,10 +30,20 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    create_model,
+)
 
 from eviback.retrieval.base import Retriever
 from eviback.retrieval.config import ServerConfig
@@ -58,45 +69,62 @@ class RetrieveRequest:
     return_scores: bool
 
 
-def parse_request(payload: Any, config: ServerConfig) -> RetrieveRequest:
-    """Validate a decoded `/retrieve` body. Raises RequestError (422) naming the field and the limit.
+@functools.lru_cache(maxsize=8)
+def request_model(config: ServerConfig) -> type[BaseModel]:
+    """The pydantic model of a `/retrieve` body under `config`'s limits: strict types (`"3"` is not a topk,
+    `1` is not a boolean), unknown fields ignored as Search-R1's request model ignores them."""
+    query = Annotated[StrictStr, Field(max_length=config.max_query_chars)]  # pydantic refuses lone surrogates
+    return create_model(
+        "RetrieveBody",
+        __config__=ConfigDict(extra="ignore", strict=True),
+        queries=(Annotated[list[query], Field(min_length=1, max_length=config.max_queries)], ...),
+        topk=(Annotated[StrictInt, Field(ge=1, le=config.max_topk)] | None, None),
+        return_scores=(StrictBool, False),  # Search-R1's default
+    )
 
-    Unknown fields are ignored, as Search-R1's pydantic model ignores them. Types are checked strictly
-    (`"3"` is not a topk, `1` is not a boolean): a client that sends them has a bug worth seeing."""
-    if not isinstance(payload, dict):
-        raise RequestError(422, f"the body must be a JSON object like {{\"queries\": [\"...\"], \"topk\": 3, "
-                                f"\"return_scores\": true}}, got {_json_type(payload)}")
-    if "queries" not in payload:
-        raise RequestError(422, "missing field 'queries' (a list of query strings)")
-    queries = payload["queries"]
-    if not isinstance(queries, list):
-        raise RequestError(422, f"'queries' must be a list of strings, got {_json_type(queries)}")
-    if not queries:
-        raise RequestError(422, "'queries' is empty: send at least one query")
-    if len(queries) > config.max_queries:
-        raise RequestError(422, f"too many queries: {len(queries)} in one request, the limit is "
-                                f"{config.max_queries}: split the batch (or raise the server's --max-queries)")
-    for i, query in enumerate(queries):
-        if not isinstance(query, str):
-            raise RequestError(422, f"queries[{i}] must be a string, got {_json_type(query)}")
-        if len(query) > config.max_query_chars:
-            raise RequestError(422, f"queries[{i}] is {len(query)} characters long, the limit is "
-                                    f"{config.max_query_chars}: shorten it (or raise the server's --max-query-chars)")
-        try:
-            query.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(422, f"queries[{i}] is not valid Unicode (an unpaired surrogate escape)") from None
-    topk = payload.get("topk")
-    if topk is None:
-        topk = config.default_topk  # Search-R1 falls back to its configured top-k too
-    elif isinstance(topk, bool) or not isinstance(topk, int):
-        raise RequestError(422, f"'topk' must be an integer, got {_json_type(topk)}")
-    elif not 1 <= topk <= config.max_topk:
-        raise RequestError(422, f"'topk' must be between 1 and {config.max_topk}, got {topk}")
-    return_scores = payload.get("return_scores", False)  # Search-R1's default
-    if not isinstance(return_scores, bool):
-        raise RequestError(422, f"'return_scores' must be true or false, got {_json_type(return_scores)}")
-    return RetrieveRequest(queries=tuple(queries), topk=topk, return_scores=return_scores)
+
+def parse_request(payload: Any, config: ServerConfig) -> RetrieveRequest:
+    """Validate a decoded `/retrieve` body with :func:`request_model`. Raises RequestError (422) naming the
+    field and the limit (the first problem found, in field order)."""
+    try:
+        body = request_model(config).model_validate(payload)
+    except ValidationError as e:
+        raise RequestError(422, _reason(e.errors(include_url=False)[0], payload, config)) from None
+    topk = body.topk if body.topk is not None else config.default_topk  # Search-R1 falls back to its top-k too
+    return RetrieveRequest(queries=tuple(body.queries), topk=topk, return_scores=body.return_scores)
+
+
+def _reason(error: Mapping[str, Any], payload: Any, config: ServerConfig) -> str:
+    """One pydantic error as the sentence a client reads: the field, what was wrong, the limit and the fix."""
+    loc, kind, value = tuple(error["loc"]), error["type"], error.get("input")
+    if not loc:
+        return (f"the body must be a JSON object like {{\"queries\": [\"...\"], \"topk\": 3, \"return_scores\": "
+                f"true}}, got {_json_type(payload)}")
+    field_name = loc[0]
+    if kind == "missing":
+        return f"missing field {field_name!r} (a list of query strings)"
+    if field_name == "queries":
+        if len(loc) == 1:
+            if kind == "too_short":
+                return "'queries' is empty: send at least one query"
+            if kind == "too_long":
+                return (f"too many queries: {len(value)} in one request, the limit is {config.max_queries}: "
+                        "split the batch (or raise the server's --max-queries)")
+            return f"'queries' must be a list of strings, got {_json_type(value)}"
+        where = f"queries[{loc[1]}]"
+        if kind == "string_too_long":
+            return (f"{where} is {len(value)} characters long, the limit is {config.max_query_chars}: shorten it "
+                    "(or raise the server's --max-query-chars)")
+        if kind == "string_unicode":
+            return f"{where} is not valid Unicode (an unpaired surrogate escape)"
+        return f"{where} must be a string, got {_json_type(value)}"
+    if field_name == "topk":
+        if kind in ("greater_than_equal", "less_than_equal"):
+            return f"'topk' must be between 1 and {config.max_topk}, got {value}"
+        return f"'topk' must be an integer, got {_json_type(value)}"
+    if field_name == "return_scores":
+        return f"'return_scores' must be true or false, got {_json_type(value)}"
+    return f"{'.'.join(map(str, loc))}: {error['msg']}"
 
 
 def _json_type(value: Any) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -31,21 +32,21 @@ def write_store(corpus: str | os.PathLike, directory: Path, *, progress: bool = 
 
     Raises DataError on a malformed line or a duplicate id (both name the corpus file and line), and on
     an empty corpus. The files appear only when the whole corpus was read (written under temporary names
-    and renamed), so an interrupted build never leaves a store that looks complete."""
+    and renamed), so an interrupted build never leaves a store that looks complete.
+
+    Memory is 16 bytes per passage (an offset and an id hash in typed arrays): 340 MB for wiki-18's 21M
+    passages, where a dict of ids and a list of offsets would take about 3 GB. A duplicate id is therefore
+    found when the corpus has been read, by sorting the hashes (and confirmed on the ids themselves)."""
     from tqdm import tqdm
 
     directory.mkdir(parents=True, exist_ok=True)
     tmp_passages = directory / (PASSAGES_FILE + ".tmp")
-    offsets = [0]
-    first_line: dict[str, int] = {}
+    offsets = array("q", [0])
+    hashes = array("q")
     with open(tmp_passages, "wb") as out, tqdm(desc="read corpus", unit=" passages", disable=not progress,
                                                mininterval=1.0) as bar:
-        for number, passage in enumerate(iter_corpus(corpus), start=1):
-            if passage.id in first_line:
-                # Ids must be unique: gold passage ids (recall, the teacher's Stage B) refer to them.
-                raise DataError(corpus, None, f"duplicate passage id {passage.id!r} (passage {number}, first "
-                                              f"seen as passage {first_line[passage.id]})")
-            first_line[passage.id] = number
+        for passage in iter_corpus(corpus):
+            hashes.append(hash(passage.id))  # salted per process, which is all a check within one run needs
             line = json.dumps({"id": passage.id, "contents": passage.contents}, ensure_ascii=False) + "\n"
             offsets.append(offsets[-1] + out.write(line.encode("utf-8")))
             bar.update(1)
@@ -53,10 +54,38 @@ def write_store(corpus: str | os.PathLike, directory: Path, *, progress: bool = 
     if len(offsets) == 1:
         tmp_passages.unlink()
         raise DataError(corpus, None, "the corpus has no passages")
+    offsets_array = np.frombuffer(offsets, dtype=np.int64)
+    _refuse_duplicate_ids(corpus, tmp_passages, offsets_array, np.frombuffer(hashes, dtype=np.int64))
     tmp_offsets = directory / (OFFSETS_FILE + ".tmp.npy")
-    np.save(tmp_offsets, np.asarray(offsets, dtype=np.int64))
+    np.save(tmp_offsets, offsets_array)
     os.replace(tmp_passages, directory / PASSAGES_FILE)
     os.replace(tmp_offsets, directory / OFFSETS_FILE)
+
+
+def _refuse_duplicate_ids(corpus: str | os.PathLike, passages: Path, offsets: np.ndarray, hashes: np.ndarray) -> None:
+    """Raise DataError naming the first repeated passage id (and where it was first seen)."""
+    order = np.argsort(hashes, kind="stable")
+    same = np.flatnonzero(hashes[order[1:]] == hashes[order[:-1]])
+    if not len(same):
+        return
+    clashes = sorted((int(order[i + 1]), int(order[i])) for i in same)  # (later row, earlier row)
+    with open(passages, "rb") as f:
+        def passage_id(row: int) -> str:
+            f.seek(int(offsets[row]))
+            return json.loads(f.read(int(offsets[row + 1] - offsets[row])))["id"]
+
+        for later, _ in clashes:
+            # Rows sharing a hash are adjacent in `order`, earliest first: find the first with the same id.
+            group = order[hashes[order] == hashes[later]]
+            earlier = next((int(r) for r in group if r < later and passage_id(int(r)) == passage_id(later)), None)
+            if earlier is not None:
+                repeated = passage_id(later)
+                break
+        else:
+            return  # hash collisions of distinct ids only
+    passages.unlink()
+    raise DataError(corpus, None, f"duplicate passage id {repeated!r} (passage {later + 1}, first seen as "
+                                  f"passage {earlier + 1})")
 
 
 def store_exists(directory: Path) -> bool:
