@@ -140,7 +140,7 @@ SETTING_NAMES = {
     "allow_leaky_teacher", "learning_rate", "max_grad_norm", "is_correction", "is_cap", "is_level", "beta",
     "loss_type", "max_steps", "save_steps", "save_total_limit", "micro_batch_rows", "gradient_checkpointing", "dtype",
     "seed", "build_seed", "report_to", "eval_benchmarks", "eval_limit", "eval_warm_start", "keep_rollout_steps",
-    "teacher_stage_a", "judge_max_questions", "judge_epochs", "teacher_stage_b", "teacher_span_words",
+    "teacher_stage_a", "judge_max_questions", "judge_epochs", "judge_rollouts", "teacher_stage_b", "teacher_span_words",
 }
 
 
