@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from eviback.log_format import configure_logging
+
 # name -> module under eviback.commands; the order is the order of `eviback --help`
 COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "build-judge", "sft", "train", "experiment", "ape",
             "report")
@@ -44,11 +46,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)
     return parser
-
-
-def configure_logging(level: int) -> None:
-    """The command line's log format (also used by the child processes it starts)."""
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
 def _subcommand(argv: list[str]) -> tuple[str, list[str], list[str]] | None:

@@ -173,7 +173,7 @@ def _measurement_key() -> str:
 
 def cpu_speed(*, use_cache: bool = True) -> MatmulSpeed:
     """This CPU's bf16 and fp32 matmul speed, measured once and cached (`$EVIBACK_CACHE/dtype/`)."""
-    from eviback.policy import cache_dir
+    from eviback.cache import cache_dir
 
     path = cache_dir() / "dtype" / f"matmul-{_measurement_key()}.json"
     if use_cache:

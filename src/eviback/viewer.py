@@ -15,13 +15,21 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from eviback.metrics import AnswerScores, TrajectoryStats
 from eviback.templates import Markup, render
 from eviback.types import Trajectory
 
-if TYPE_CHECKING:
-    from eviback.evaluate import EvalItem
+
+class ScoredTrajectory(Protocol):
+    """What the viewer shows of an evaluated question (an :class:`eviback.evaluate.EvalItem` is one): the
+    viewer sits above evaluation and names no evaluation type."""
+
+    benchmark: str
+    trajectory: Trajectory
+    scores: AnswerScores
+    stats: TrajectoryStats
 
 
 def _trajectory_record(benchmark: str, trajectory: Trajectory, em: float, f1: float, valid: bool) -> dict[str, Any]:
@@ -58,7 +66,7 @@ def render_viewer(records: list[dict[str, Any]], title: str = "Trajectories") ->
     return render("viewer.html.j2", title=title, data=Markup(data))
 
 
-def write_viewer(items: Iterable[EvalItem], path: str | os.PathLike, title: str = "Trajectories") -> Path:
+def write_viewer(items: Iterable[ScoredTrajectory], path: str | os.PathLike, title: str = "Trajectories") -> Path:
     """Write the viewer page of evaluation items to `path`."""
     records = [_trajectory_record(i.benchmark, i.trajectory, i.scores.em, i.scores.f1, i.stats.valid_answer)
                for i in items]

@@ -212,8 +212,8 @@ def _evaluate_this_start(config: ExperimentConfig, work: Path, wanted: set[str] 
 
 
 def _evaluate_start_child(work: str, wanted: list[str] | None = None) -> None:
-    from eviback.cli import configure_logging
     from eviback.evaluate import run_eval
+    from eviback.log_format import configure_logging
     from eviback.train.config import TrainConfig
     from eviback.train.runner import held_out_eval_config, initial_policy, write_start_record
 

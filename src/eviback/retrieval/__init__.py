@@ -9,16 +9,8 @@ sentence-transformers, FastAPI, httpx) are imported only by the parts that use t
 
 from eviback.retrieval.base import Retriever
 from eviback.retrieval.config import BM25Config, ClientConfig, DenseConfig, IndexKind, ServerConfig
-from eviback.retrieval.index import (
-    IndexMismatchError,
-    Manifest,
-    build_index,
-    load_index,
-    load_retriever,
-    open_retriever,
-    read_manifest,
-    suite_retriever,
-)
+from eviback.retrieval.index import build_index, load_index, load_retriever, open_retriever, suite_retriever
+from eviback.retrieval.manifest import IndexMismatchError, Manifest, read_manifest
 
 
 def __getattr__(name: str):

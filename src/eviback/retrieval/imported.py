@@ -37,12 +37,13 @@ from typing import Any
 import numpy as np
 
 from eviback import __version__
+from eviback.cache import cache_dir, file_lock
 from eviback.data import file_sha256
-from eviback.policy import cache_dir, file_lock
 from eviback.retrieval.config import FaissImportConfig, IndexKind
 from eviback.retrieval.encoder import E5QueryEncoder, QueryEncoder, model_dimension
 from eviback.retrieval.flatfile import FlatFile, RowReader, read_flat_header
-from eviback.retrieval.index import MANIFEST_FILE, IndexMismatchError, Manifest, _write_json, read_manifest
+from eviback.retrieval.manifest import MANIFEST_FILE, IndexMismatchError, Manifest, read_manifest
+from eviback.retrieval.manifest import write_json as _write_json
 from eviback.retrieval.store import PassageStore, write_store
 from eviback.types import Passage, to_dict
 

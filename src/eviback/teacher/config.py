@@ -46,7 +46,7 @@ def open_cache(spec: str) -> ReplyCache | None:
     if not spec:
         return None
     if spec == DEFAULT_CACHE:
-        from eviback.policy import cache_dir
+        from eviback.cache import cache_dir
 
         return SqliteCache(cache_dir() / "teacher" / "replies.sqlite")
     return SqliteCache(spec)

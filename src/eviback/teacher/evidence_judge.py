@@ -230,7 +230,7 @@ def register(directory: Path, sha256: str) -> None:
 
 def find_judge(sha256: str) -> Path:
     """The directory of the judge `sha256`: one registered in this process, or one under the cache."""
-    from eviback.policy import cache_dir
+    from eviback.cache import cache_dir
 
     if sha256 in _DIRECTORIES:
         return _DIRECTORIES[sha256]

@@ -482,7 +482,7 @@ def build_key(config: EvidenceJudgeConfig, examples: Sequence[JudgeExample]) -> 
 def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable[[str], None] = log.info,
                 retriever=None) -> EvidenceJudge:  # noqa: ANN001
     """Build (or reuse the cached) evidence judge for `config`; see the module doc."""
-    from eviback.policy import cache_dir, file_lock
+    from eviback.cache import cache_dir, file_lock
 
     config = config or EvidenceJudgeConfig()
     start = time.perf_counter()

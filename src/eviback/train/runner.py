@@ -129,7 +129,7 @@ def initial_policy(config: TrainConfig) -> str:
 def _warm_start_child(settings: dict, level: int, answer: str) -> None:
     """The warm start of `initial_policy`, in its own process (settings: a WarmStartConfig as a dict); the
     trained model's directory is written to the file `answer`."""
-    from eviback.cli import configure_logging
+    from eviback.log_format import configure_logging
     from eviback.train.sft import WarmStartConfig, warm_start
 
     configure_logging(level)

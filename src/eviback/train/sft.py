@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from eviback import dtype as dtypes
+from eviback.cache import cache_dir, file_lock
 from eviback.data import DataSuite, load_suite, read_training_questions
-from eviback.policy import DEFAULT_MODEL, cache_dir, file_lock, load_tokenizer, resolve_model, set_threads
+from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, set_threads
 from eviback.settings import check_fields
 from eviback.train import warmstart_data as wsd
 from eviback.train.gauges import peak_rss_gb
