@@ -74,6 +74,18 @@ def test_evaluation_questions_are_refused(tmp_path):
         build_examples(dataclasses.replace(TINY, max_questions=1, rollouts=(str(dump),)), progress=lambda m: None)
 
 
+def test_a_seed_policy_beside_its_judge_finds_the_judge_outside_the_cache(judge, monkeypatch):
+    """`eviback ape --seed-policy DIR/policy.json` with the judge built to `--output DIR`, not the cache."""
+    from eviback.ape.candidates import seed_policy
+    from eviback.teacher import evidence_judge
+
+    monkeypatch.setattr(evidence_judge, "_DIRECTORIES", {})  # a fresh process: nothing registered
+    with pytest.raises(FileNotFoundError, match="no evidence judge"):
+        evidence_judge.find_judge(judge.sha256)
+    seed_policy(str(judge.policy_path))
+    assert evidence_judge.find_judge(judge.sha256) == judge.path
+
+
 def test_a_judge_changed_after_its_build_is_refused(judge, tmp_path):
     import shutil
 

@@ -267,7 +267,11 @@ def _sampled(policy: TeacherPolicy) -> TeacherPolicy:
 
 
 def seed_policy(reference: str) -> TeacherPolicy:
-    """A seed: a built-in name or a frozen policy file (optionally @VERSION)."""
+    """A seed: a built-in name or a frozen policy file (optionally @VERSION). A policy file inside an evidence
+    judge's directory makes that judge known, wherever the directory is (not only under the cache)."""
+    from eviback.teacher.config import register_judge_beside
+
+    register_judge_beside(reference)
     return load_policy(reference)
 
 
