@@ -57,7 +57,7 @@ class TeacherSettings:
                          "Stage A on the local model"})
     judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is built "
                                      "from (0: all)"})
-    judge_epochs: float = field(default=2.0, metadata={"help": "training passes of the evidence judge"})
+    judge_epochs: float = field(default=3.0, metadata={"help": "training passes of the evidence judge"})
     judge_rollouts: list[str] = field(default_factory=list, metadata={"help": "rollout dumps (JSONL, .gz too) of the "
                                       "warm-started actor on training questions that the evidence judge also "
                                       "learns from (benchmarks/bench_teacher_rollouts.py --judge-split train)"})

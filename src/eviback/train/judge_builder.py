@@ -105,9 +105,9 @@ class EvidenceJudgeConfig:
     base_model: str = _help("the encoder to fine-tune (default: the bundled all-MiniLM-L6-v2)", default="")
     max_length: int = _help("wordpiece tokens of (question, text) the judge reads (0: 256 for a passage judge, "
                             "320 for an evidence judge)", default=0)
-    epochs: float = _help("passes over the examples", default=2.0)
+    epochs: float = _help("passes over the examples", default=3.0)
     batch_size: int = _help("examples per optimiser step", default=32)
-    learning_rate: float = _help("AdamW learning rate (linear decay after a 10% warm-up)", default=5e-5)
+    learning_rate: float = _help("AdamW learning rate (linear decay after a 10% warm-up)", default=1e-4)
     dtype: str = _help("training matmuls: auto (bf16 autocast where bf16 is native), bfloat16 or float32",
                        default="auto")
     seed: int = _help("seed of the example sampling and of the training", default=0)
