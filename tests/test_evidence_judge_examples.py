@@ -55,7 +55,7 @@ def test_the_build_key_names_the_base_model_by_content_not_by_location(tmp_path)
 
 
 def test_the_build_key_takes_numbers_by_value_not_by_type(tmp_path):
-    """`judge_epochs: 2` in a training config and `--epochs 2` on the command line (2.0) are the same build:
+    """`judge_epochs: 3` in a training config and `--epochs 3` on the command line (3.0) are the same build:
     the cached judge is reused, not rebuilt under another key."""
     from eviback.train.judge_builder import EvidenceJudgeConfig, build_key
 
@@ -68,6 +68,6 @@ def test_the_build_key_takes_numbers_by_value_not_by_type(tmp_path):
     def key(**changes) -> str:
         return build_key(EvidenceJudgeConfig(base_model=str(base), **changes), examples)
 
-    assert key(epochs=2) == key(epochs=2.0) == key()
-    assert key(learning_rate=5e-5, seed=0) == key()
-    assert key(epochs=3) != key()
+    assert key(epochs=3) == key(epochs=3.0) == key()  # 3 epochs: the default
+    assert key(learning_rate=1e-4, seed=0) == key()
+    assert key(epochs=2) != key()
