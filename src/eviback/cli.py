@@ -64,8 +64,14 @@ def _run_subcommand(module_name: str, name: str, before: list[str], rest: list[s
     module.add_arguments(parser)
     args = parser.parse_args(before + rest)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    return _run(module.run, args, name)
+
+
+def _run(run, args: argparse.Namespace, name: str) -> int:  # noqa: ANN001 - a command module's run()
+    """A command's exit status: bad input of the user's is said (what and where) without a traceback
+    (`-v` shows it), exit 2; Ctrl-C exits 130."""
     try:
-        return int(module.run(args) or 0)
+        return int(run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -91,17 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    try:
-        return int(_load(args.command).run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
-        # Bad input of the user's: say what and where, without a traceback (-v shows it).
-        if args.verbose:
-            raise
-        print(f"eviback {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return _run(lambda a: _load(args.command).run(a), args, args.command)  # loading inside: its errors too
 
 
 if __name__ == "__main__":

@@ -19,3 +19,11 @@ class Retriever(Protocol):
     def search(self, queries: Sequence[str], topk: int = 3) -> list[list[Passage]]: ...
 
     def close(self) -> None: ...
+
+
+def live_queries(queries: Sequence[str], topk: int) -> tuple[list[list[Passage]], list[int]]:
+    """The start of every retriever's `search`: one empty result per query, and the positions of the
+    queries to search (an empty or blank query gets `[]`). A `topk` below 1 is refused."""
+    if topk < 1:
+        raise ValueError(f"topk must be at least 1, got {topk}")
+    return [[] for _ in queries], [i for i, query in enumerate(queries) if query.strip()]

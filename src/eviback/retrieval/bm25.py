@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from eviback.retrieval.base import live_queries
 from eviback.retrieval.config import BM25Config
 from eviback.retrieval.store import PassageStore, write_store
 from eviback.types import Passage
@@ -93,10 +94,7 @@ class BM25Index:
 
     def search(self, queries: Sequence[str], topk: int = 3) -> list[list[Passage]]:
         """Top-`topk` passages per query, best first, `score` set; `[]` for an empty query."""
-        if topk < 1:
-            raise ValueError(f"topk must be at least 1, got {topk}")
-        results: list[list[Passage]] = [[] for _ in queries]
-        live = [i for i, query in enumerate(queries) if query.strip()]
+        results, live = live_queries(queries, topk)
         if not live:
             return results
         # update_vocab=False: a query never adds words, so concurrent searches share the vocabulary safely.

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from eviback.retrieval.base import live_queries
 from eviback.retrieval.config import DEFAULT_DENSE_MODEL, DenseConfig
 from eviback.retrieval.store import PassageStore, store_exists, write_store
 from eviback.types import Passage
@@ -155,10 +156,7 @@ class DenseIndex:
 
     def search(self, queries: Sequence[str], topk: int = 3) -> list[list[Passage]]:
         """Top-`topk` passages per query, best first, `score` (inner product) set; `[]` for an empty query."""
-        if topk < 1:
-            raise ValueError(f"topk must be at least 1, got {topk}")
-        results: list[list[Passage]] = [[] for _ in queries]
-        live = [i for i, query in enumerate(queries) if query.strip()]
+        results, live = live_queries(queries, topk)
         if not live:
             return results
         texts = [self.config.query_prefix + queries[i] for i in live]

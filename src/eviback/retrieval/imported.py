@@ -39,6 +39,7 @@ import numpy as np
 from eviback import __version__
 from eviback.cache import cache_dir, file_lock
 from eviback.data import file_sha256
+from eviback.retrieval.base import live_queries
 from eviback.retrieval.config import FaissImportConfig, IndexKind
 from eviback.retrieval.encoder import E5QueryEncoder, QueryEncoder, model_dimension
 from eviback.retrieval.flatfile import FlatFile, RowReader, read_flat_header
@@ -266,10 +267,7 @@ class ImportedIndex:
 
     def search(self, queries: Sequence[str], topk: int = 3) -> list[list[Passage]]:
         """Top-`topk` passages per query, best first, `score` (inner product) set; `[]` for an empty query."""
-        if topk < 1:
-            raise ValueError(f"topk must be at least 1, got {topk}")
-        results: list[list[Passage]] = [[] for _ in queries]
-        live = [i for i, query in enumerate(queries) if query.strip()]
+        results, live = live_queries(queries, topk)
         if not live:
             return results
         with self._lock:
