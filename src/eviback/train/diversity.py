@@ -36,8 +36,8 @@ class GroupDiversity:
     queries: int
     evidence: int
     rewards: int
-    statuses: int | None = None
-    labels: int = 1  # None: the group was not judged, or a verdict is a teacher error
+    statuses: int | None = None  # None: the group was not judged, or a verdict is a teacher error
+    labels: int = 1
 
 
 def group_diversity(

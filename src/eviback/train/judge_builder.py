@@ -225,19 +225,6 @@ def question_searches(question: Question, search: Callable[[str], list[Passage]]
     return out
 
 
-def question_examples(question: Question, search: Callable[[str], list[Passage]], tokenizer,  # noqa: ANN001
-                      max_obs_tokens: int, topk: int = 3, single_passages: int = 0) -> list[JudgeExample]:
-    """The whole-evidence examples of one training question's real searches."""
-    return [e for source, seen in question_searches(question, search, tokenizer, max_obs_tokens, topk,
-                                                    single_passages)
-            if (e := evidence_example(question, seen, source)) is not None]
-
-
-def rollout_examples(trajectories: Iterable[Trajectory]) -> list[JudgeExample]:
-    """One whole-evidence example per rollout that saw any evidence (as a teacher would get it)."""
-    return [e for t in trajectories if (e := evidence_example(t.question, evidence_as_seen(t), "rollout")) is not None]
-
-
 def is_heldout(question_id: str, share: float, seed: int) -> bool:
     """Whether a training question is held out of the judge's training (to report its accuracy)."""
     digest = hashlib.sha256(f"{seed}\x00{question_id}".encode()).digest()
