@@ -92,6 +92,17 @@ def test_curves_average_seeds_per_step_and_answers_changed():
     assert changed_share({("a", "1"): "x", ("a", "2"): None}, {("a", "1"): "x", ("a", "2"): "y"}) == 0.5
 
 
+def test_training_summary_means_the_all_zero_groups_diversity_over_steps_and_seeds():
+    from eviback.experiment.compare import training_summary
+
+    runs = [[{"step": 1, "backoff/all_zero_distinct_evidence": 2.0, "backoff/all_zero_distinct_rewards": 1.0},
+             {"step": 2, "backoff/all_zero_distinct_evidence": None}],  # a step without an all-zero group
+            [{"step": 1, "backoff/all_zero_distinct_evidence": 4.0, "backoff/all_zero_distinct_rewards": 3.0}]]
+    distinct = training_summary(runs)["distinct"]
+    assert (distinct["evidence"], distinct["rewards"]) == (3.0, 2.0)
+    assert distinct["statuses"] != distinct["statuses"]  # NaN: never logged (no teacher)
+
+
 def test_trailing_mean_averages_the_window_behind_each_step():
     assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert trailing_mean([1.0, 3.0], 5) == [1.0, 2.0]
@@ -143,7 +154,8 @@ def finished_run(directory: Path, score: float, items: int = 10, start: str | No
         (directory / "start.json").write_text(json.dumps({"policy": "key", "fingerprint": start}))
     with gzip.open(directory / "eval" / "items.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"benchmark": "nq", "id": str(i), "answer": "x", "f1": score, "em": score,
-                                 "valid_answer": score, "searches": score}) + "\n" for i in range(items))
+                                 "valid_answer": score, "searches": score, "duplicate_searches": 0,
+                                 "forced": False}) + "\n" for i in range(items))
     metrics = dict.fromkeys(("em", "f1", "valid_answer_rate", "avg_searches", "duplicate_query_rate",
                              "forced_termination_rate"), score)
     (directory / "eval" / "summary.json").write_text(json.dumps({"benchmarks": [{"name": "nq", "metrics": metrics}]}))
@@ -174,6 +186,9 @@ def test_contrasts_compare_two_arms_run_s_against_run_s(tmp_path):
     # no seed in common: every run of one arm against every run of the other
     apart = result["differences"]["dapo - eviback"]["f1"]["macro"]
     assert apart["diff"] == pytest.approx(-0.1) and result["difference_seeds"]["dapo - eviback"] == "5 - 0, 1"
+    # every item metric the issue asks intervals for, duplicate queries and forced stops included
+    assert set(result["differences"]["eviback - grpo"]) == {"f1", "em", "valid_answer", "searches",
+                                                            "duplicate_searches", "forced"}
     # a contrast with an arm that has no finished run yet is left out, not an error
     (tmp_path / "single" / "seed-1" / "done.json").unlink()
     assert "eviback - single" not in build(config)["differences"]

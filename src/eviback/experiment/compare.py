@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 
 # per-item metrics of an evaluation record (eval/items.jsonl): the ones the paired differences are about
-ITEM_METRICS = ("f1", "em", "valid_answer", "searches")
+# (`duplicate_searches`: executed searches that repeat an earlier query of the rollout; `forced`: cut at the
+# turn limit)
+ITEM_METRICS = ("f1", "em", "valid_answer", "searches", "duplicate_searches", "forced")
 Key = tuple[str, str]  # (benchmark, question id)
 RunItems = Mapping[Key, Mapping[str, float]]
 
@@ -28,6 +30,10 @@ RunItems = Mapping[Key, Mapping[str, float]]
 CURVES = (
     ("backoff/all_zero_share", "all-zero share"),
     ("backoff/informative_fallback_share", "informative fallback share"),
+    # within-group diversity of the all-zero groups (train/diversity.py): what a fallback reward could tell apart
+    ("backoff/all_zero_distinct_evidence", "all-zero groups: distinct evidence sets"),
+    ("backoff/all_zero_distinct_labels", "all-zero groups: distinct evidence labels"),
+    ("backoff/all_zero_distinct_rewards", "all-zero groups: distinct rewards"),
     ("rollout/f1", "training rollouts: F1"),
     ("rollout/avg_searches", "training rollouts: searches"),
     ("time/teacher", "teacher seconds per step"),
@@ -177,7 +183,9 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         "gate_balanced_accuracy": ((gate["gate_closed_on_i"] / gate["gate_label_i"]
                                     + gate["gate_open_on_open"] / gate["gate_label_open"]) / 2
                                    if gate["gate_label_i"] and gate["gate_label_open"] else float("nan")),
-        "distinct_labels": mean("backoff/all_zero_distinct_labels"),
+        # within-group diversity of the all-zero groups: mean distinct values per group (train/diversity.py)
+        "distinct": {k: mean(f"backoff/all_zero_distinct_{k}")
+                     for k in ("queries", "evidence", "labels", "rewards", "statuses")},
         # the machine under the run (train/gauges.py; NaN for runs logged before these gauges existed)
         "cpu_s": mean("time/cpu"), "other_cpu_s": mean("host/other_cpu_s"), "steal_share": mean("host/steal_share"),
         "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)

@@ -35,7 +35,8 @@ from eviback.templates import render
 EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"), ("avg_searches", "searches"),
                 ("duplicate_query_rate", "duplicate queries"), ("forced_termination_rate", "forced termination"))
 SMOOTHING = 5  # steps in the curves' trailing mean (drawn over the faint per-step points)
-DIFF_LABELS = {"f1": "F1", "em": "EM", "valid_answer": "valid answer", "searches": "searches"}
+DIFF_LABELS = {"f1": "F1", "em": "EM", "valid_answer": "valid answer", "searches": "searches",
+               "duplicate_searches": "duplicate queries", "forced": "forced termination"}
 
 
 def _records(directory: Path) -> list[dict]:
@@ -229,14 +230,20 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     verdicts = [[a, str(t["teacher_judged"]), str(t["stage_b_runs"]), str(t["stage_b_ungrounded"]),
                  " / ".join(str(t["teacher_status"][st]) for st in ("S", "A", "I")), str(t["teacher_errors"]),
                  f"{t['informative_fallback_groups']} / {t['fallback_groups']}",
-                 _f(t.get("gate_balanced_accuracy", float("nan")), 2), _f(t.get("distinct_labels", float("nan")), 2)]
+                 _f(t.get("gate_balanced_accuracy", float("nan")), 2)]
                 for a, r in result["arms"].items() if (t := r["training"])["teacher_judged"]]
     if verdicts:
         tables.append(("What the teacher said (sums over steps and seeds)", [
             "arm", "rollouts judged", "Stage A not I (Stage B ran)", "Stage B lowered to I (answer not in the "
             "evidence)", "final S / A / I", "teacher errors", "informative / fallback groups",
-            "Stage A gate balanced accuracy (I vs not-I, against evidence labels)",
-            "distinct evidence labels per all-zero group"], verdicts))
+            "Stage A gate balanced accuracy (I vs not-I, against evidence labels)"], verdicts))
+    kinds = ("queries", "evidence", "labels", "rewards", "statuses")
+    diversity = [[a, *(_f((r["training"].get("distinct") or {}).get(k, float("nan")), 2) for k in kinds)]
+                 for a, r in result["arms"].items()]
+    tables.append(("Within-group diversity of the all-zero groups (distinct values among a group's G rollouts, "
+                   "means over steps and seeds; 1: all alike)", [
+                       "arm", "query sets", "evidence sets", "evidence labels (what a perfect judge could tell "
+                       "apart)", "rewards (what the advantages came from)", "teacher statuses"], diversity))
     machine = [[a, _f(r["training"]["step_s"], 1), _f(r["training"]["cpu_s"], 1),
                 _f(r["training"]["cpu_s"] / r["training"]["step_s"], 2) if r["training"]["step_s"] else "",
                 _f(r["training"]["other_cpu_s"], 1), _f(r["training"]["steal_share"], 3)]
@@ -274,7 +281,8 @@ def plot_curves(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7), squeeze=False)
+    rows = -(-len(CURVES) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(14, 3.5 * rows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=False):
         for i, (arm, r) in enumerate(result["arms"].items()):
             curve = r["curves"].get(key) or {}
