@@ -3,7 +3,13 @@
 import pytest
 
 from eviback.protocol import render_observation
-from eviback.teacher.labels import agreement, evidence_label, passage_label, trajectory_label
+from eviback.teacher.labels import (
+    agreement,
+    evidence_label,
+    gate_balanced_accuracy,
+    passage_label,
+    trajectory_label,
+)
 from eviback.teacher.workflow import SeenEvidence
 from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
 
@@ -79,6 +85,10 @@ def test_the_gate_metric_scores_i_against_not_i():
     assert agreement(labels, [S, A, S, A, I, I]).gate_balanced_accuracy == 1.0  # S/A confusions do not matter
     assert agreement(labels, [I, S, S, S, I, S]).gate_balanced_accuracy == pytest.approx((3 / 4 + 1 / 2) / 2)
     assert agreement([S, S], [S, I]).gate_balanced_accuracy is None  # no I label: undefined, not 0 or 1
+    # from the counts a training run logs per step (teacher/gate_*), summed: the same figure
+    assert gate_balanced_accuracy(label_i=2, closed_on_i=1, label_open=4, open_on_open=3) == pytest.approx(
+        agreement(labels, [I, S, S, S, I, S]).gate_balanced_accuracy)
+    assert gate_balanced_accuracy(label_i=0, closed_on_i=0, label_open=3, open_on_open=3) is None
 
 
 @pytest.mark.parametrize("question, text, pid, label", [

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from eviback.teacher.labels import gate_balanced_accuracy
+
 # per-item metrics of an evaluation record (eval/items.jsonl): the ones the paired differences are about
 # (`duplicate_searches`: executed searches that repeat an earlier query of the rollout; `forced`: cut at the
 # turn limit)
@@ -152,6 +154,10 @@ def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def _nan_for_none(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
 def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, float]:
     """Means over the steps of every seed of one arm: what training cost and what the teacher did."""
     records = [r for run in runs for r in run]
@@ -162,8 +168,8 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
 
     fallback = sum(r.get("backoff/fallback_groups", 0) for r in records)
     informative = sum(r.get("backoff/informative_fallback_groups", 0) for r in records)
-    gate = {k: sum(r.get(f"teacher/{k}", 0) for r in records)
-            for k in ("gate_label_i", "gate_closed_on_i", "gate_label_open", "gate_open_on_open")}
+    gate = {k: sum(r.get(f"teacher/gate_{k}", 0) for r in records)
+            for k in ("label_i", "closed_on_i", "label_open", "open_on_open")}
     return {
         "runs": len(runs), "steps": max((len(run) for run in runs), default=0),
         "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "teacher_s": mean("time/teacher"),
@@ -180,9 +186,7 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         "stage_b_ungrounded": sum(r.get("teacher/stage_b_ungrounded", 0) for r in records),
         # Stage A as a gate against the evidence labels: I evidence closed, S/A evidence let through (NaN
         # without both kinds, or for runs logged before these counts existed)
-        "gate_balanced_accuracy": ((gate["gate_closed_on_i"] / gate["gate_label_i"]
-                                    + gate["gate_open_on_open"] / gate["gate_label_open"]) / 2
-                                   if gate["gate_label_i"] and gate["gate_label_open"] else float("nan")),
+        "gate_balanced_accuracy": _nan_for_none(gate_balanced_accuracy(**gate)),
         # within-group diversity of the all-zero groups: mean distinct values per group (train/diversity.py)
         "distinct": {k: mean(f"backoff/all_zero_distinct_{k}")
                      for k in ("queries", "evidence", "labels", "rewards", "statuses")},

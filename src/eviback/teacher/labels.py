@@ -107,6 +107,15 @@ class Agreement:
     gate_balanced_accuracy: float | None = None
 
 
+def gate_balanced_accuracy(*, label_i: int, closed_on_i: int, label_open: int, open_on_open: int) -> float | None:
+    """Stage A as a gate, from counts: of `label_i` rollouts whose evidence is I, `closed_on_i` were called I;
+    of `label_open` whose evidence is S or A, `open_on_open` were let through. The mean of the two recalls;
+    None without both kinds. (Training logs these counts per step: `teacher/gate_*`.)"""
+    if not label_i or not label_open:
+        return None
+    return (closed_on_i / label_i + open_on_open / label_open) / 2
+
+
 def agreement(labels: Sequence[Status], predicted: Sequence[Status]) -> Agreement:
     """Agreement of `predicted` with `labels` (pairs in order; equal lengths)."""
     if len(labels) != len(predicted):
@@ -127,12 +136,11 @@ def agreement(labels: Sequence[Status], predicted: Sequence[Status]) -> Agreemen
     if s_pairs and i_pairs:
         s_vs_i = (sum(y is Status.SUFFICIENT for y in s_pairs) / len(s_pairs)
                   + sum(y is not Status.SUFFICIENT for y in i_pairs) / len(i_pairs)) / 2
-    gate = None
     closed = [y for x, y in pairs if x is Status.INSUFFICIENT]
     opened = [y for x, y in pairs if x is not Status.INSUFFICIENT]
-    if closed and opened:
-        gate = (sum(y is Status.INSUFFICIENT for y in closed) / len(closed)
-                + sum(y is not Status.INSUFFICIENT for y in opened) / len(opened)) / 2
+    gate = gate_balanced_accuracy(label_i=len(closed), closed_on_i=sum(y is Status.INSUFFICIENT for y in closed),
+                                  label_open=len(opened),
+                                  open_on_open=sum(y is not Status.INSUFFICIENT for y in opened))
     observed = correct / n
     expected = sum(sum(confusion[a.value].values()) * sum(confusion[b.value][a.value] for b in order)
                    for a in order) / (n * n)
