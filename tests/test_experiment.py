@@ -186,7 +186,7 @@ def test_contrasts_compare_two_arms_run_s_against_run_s(tmp_path):
     # no seed in common: every run of one arm against every run of the other
     apart = result["differences"]["dapo - eviback"]["f1"]["macro"]
     assert apart["diff"] == pytest.approx(-0.1) and result["difference_seeds"]["dapo - eviback"] == "5 - 0, 1"
-    # every item metric the issue asks intervals for, duplicate queries and forced stops included
+    # an interval for every item metric, duplicate queries and forced stops included
     assert set(result["differences"]["eviback - grpo"]) == {"f1", "em", "valid_answer", "searches",
                                                             "duplicate_searches", "forced"}
     # a contrast with an arm that has no finished run yet is left out, not an error

@@ -36,7 +36,7 @@ EVAL_COLUMNS = (("em", "EM"), ("f1", "F1"), ("valid_answer_rate", "valid answer"
                 ("duplicate_query_rate", "duplicate queries"), ("forced_termination_rate", "forced termination"))
 SMOOTHING = 5  # steps in the curves' trailing mean (drawn over the faint per-step points)
 DIFF_LABELS = {"f1": "F1", "em": "EM", "valid_answer": "valid answer", "searches": "searches",
-               "duplicate_searches": "duplicate queries", "forced": "forced termination"}
+               "duplicate_searches": "duplicate queries per item", "forced": "forced termination"}
 
 
 def _records(directory: Path) -> list[dict]:
