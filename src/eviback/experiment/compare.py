@@ -28,6 +28,9 @@ ITEM_METRICS = ("f1", "em", "valid_answer", "searches", "duplicate_searches", "f
 Key = tuple[str, str]  # (benchmark, question id)
 RunItems = Mapping[Key, Mapping[str, float]]
 
+# what the all-zero groups' diversity counts (train/diversity.py: `backoff/all_zero_distinct_<kind>`)
+DIVERSITY_KINDS = ("queries", "evidence", "labels", "rewards", "statuses")
+
 # per-step training metrics drawn side by side (metrics.jsonl keys)
 CURVES = (
     ("backoff/all_zero_share", "all-zero share"),
@@ -188,8 +191,7 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         # without both kinds, or for runs logged before these counts existed)
         "gate_balanced_accuracy": _nan_for_none(gate_balanced_accuracy(**gate)),
         # within-group diversity of the all-zero groups: mean distinct values per group (train/diversity.py)
-        "distinct": {k: mean(f"backoff/all_zero_distinct_{k}")
-                     for k in ("queries", "evidence", "labels", "rewards", "statuses")},
+        "distinct": {k: mean(f"backoff/all_zero_distinct_{k}") for k in DIVERSITY_KINDS},
         # the machine under the run (train/gauges.py; NaN for runs logged before these gauges existed)
         "cpu_s": mean("time/cpu"), "other_cpu_s": mean("host/other_cpu_s"), "steal_share": mean("host/steal_share"),
         "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)

@@ -19,6 +19,7 @@ from typing import Any
 
 from eviback.experiment.compare import (
     CURVES,
+    DIVERSITY_KINDS,
     ITEM_METRICS,
     changed_share,
     item_scores,
@@ -237,8 +238,7 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
             "arm", "rollouts judged", "Stage A not I (Stage B ran)", "Stage B lowered to I (answer not in the "
             "evidence)", "final S / A / I", "teacher errors", "informative / fallback groups",
             "Stage A gate balanced accuracy (I vs not-I, against evidence labels)"], verdicts))
-    kinds = ("queries", "evidence", "labels", "rewards", "statuses")
-    diversity = [[a, *(_f((r["training"].get("distinct") or {}).get(k, float("nan")), 2) for k in kinds)]
+    diversity = [[a, *(_f(r["training"]["distinct"][k], 2) for k in DIVERSITY_KINDS)]
                  for a, r in result["arms"].items()]
     tables.append(("Within-group diversity of the all-zero groups (distinct values among a group's G rollouts, "
                    "means over steps and seeds; 1: all alike)", [
