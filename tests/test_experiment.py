@@ -103,6 +103,42 @@ def test_training_summary_means_the_all_zero_groups_diversity_over_steps_and_see
     assert distinct["statuses"] != distinct["statuses"]  # NaN: never logged (no teacher)
 
 
+def test_all_zero_anatomy_counts_what_could_tell_a_groups_rollouts_apart():
+    from eviback.experiment.compare import all_zero_anatomy
+
+    def rollout(answer, queries, ids):
+        return {"answer": answer, "queries": queries, "passage_ids": ids}
+
+    def verdict(status, error=None):
+        return {"status": status, "error": error}
+
+    q = "Who wrote Hamlet?"
+    groups = [
+        # a verified group is not counted
+        {"kind": "verified", "question": q, "golden_answers": ["Shakespeare"], "rewards": [1.0, 0.0],
+         "verdicts": None, "summaries": [rollout("Shakespeare", [q], [["1"]]), rollout("x", [], [])]},
+        # the question as written (case, punctuation, articles aside), the same passages in another order,
+        # answers of the same F1, judged alike: nothing tells the rollouts apart
+        {"kind": "fallback", "question": q, "golden_answers": ["William Shakespeare"], "rewards": [0.1, 0.1],
+         "verdicts": [verdict("S"), verdict("S")],
+         "summaries": [rollout("Marlowe", ["who wrote hamlet"], [["1", "2"]]),
+                       rollout(None, ["Who wrote the Hamlet", "hamlet author"], [["2"], ["1"]])]},
+        # another query, other passages, a partly right answer, mixed verdicts and rewards
+        {"kind": "fallback", "question": q, "golden_answers": ["William Shakespeare"], "rewards": [0.1, 0.0],
+         "verdicts": [verdict("S"), verdict("I")],
+         "summaries": [rollout("Shakespeare", ["Hamlet play author"], [["3"]]), rollout("no", [], [])]},
+        # a teacher error: not judged; grpo's all-zero group has no verdicts at all
+        {"kind": "teacher_error", "question": q, "golden_answers": ["a"], "rewards": [0.0],
+         "verdicts": [verdict(None, "timeout")], "summaries": [rollout("b", [q], [["1"]])]},
+        {"kind": "all_zero", "question": q, "golden_answers": ["a"], "rewards": [0.0], "verdicts": None,
+         "summaries": [rollout("b", [q], [["1"]])]},
+    ]
+    assert all_zero_anatomy(groups) == {
+        "groups": 4, "rollouts": 6, "informative": 1, "first_query_is_question": 4, "no_search": 1,
+        "same_evidence": 3, "f1_differs": 1, "judged": 2, "judged_all_s": 1, "judged_all_a": 0,
+        "judged_all_i": 0, "judged_mixed": 1}
+
+
 def test_trailing_mean_averages_the_window_behind_each_step():
     assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert trailing_mean([1.0, 3.0], 5) == [1.0, 2.0]
@@ -391,6 +427,11 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     text = (out / "comparison.md").read_text()
     assert "| eviback - grpo | 0 paired | 6 |" in text
     assert ("What the teacher said" in text) == (training["teacher_judged"] > 0)
+    # the all-zero groups counted from each run's groups.jsonl.gz: 2 steps x 2 questions at most
+    anatomy = {arm: comparison["arms"][arm]["all_zero"] for arm in ("grpo", "eviback")}
+    assert all(z["groups"] <= 4 and z["judged"] <= z["groups"] for z in anatomy.values())
+    assert anatomy["grpo"]["judged"] == 0 and training["evidence_labelled"] <= training["teacher_judged"]
+    assert ("The all-zero groups, counted" in text) == any(z["groups"] for z in anatomy.values())
     assert "The machine under the runs" in text
     assert "data:image/png;base64," in (out / "comparison.html").read_text()
     log = subprocess.run([*git, "log", "--format=%s"], cwd=tmp_path, capture_output=True, text=True).stdout

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from eviback.metrics import f1_score, normalize_answer
 from eviback.teacher.labels import gate_balanced_accuracy
 
 # per-item metrics of an evaluation record (eval/items.jsonl): the ones the paired differences are about
@@ -190,6 +191,9 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         # Stage A as a gate against the evidence labels: I evidence closed, S/A evidence let through (NaN
         # without both kinds, or for runs logged before these counts existed)
         "gate_balanced_accuracy": _nan_for_none(gate_balanced_accuracy(**gate)),
+        # of the rollouts Stage A judged, those whose evidence label is S or A (a gold answer or a supporting
+        # passage in what the actor saw), and all with a label
+        "evidence_open": gate["label_open"], "evidence_labelled": gate["label_i"] + gate["label_open"],
         # within-group diversity of the all-zero groups: mean distinct values per group (train/diversity.py)
         "distinct": {k: mean(f"backoff/all_zero_distinct_{k}") for k in DIVERSITY_KINDS},
         # the machine under the run (train/gauges.py; NaN for runs logged before these gauges existed)
@@ -197,3 +201,44 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
         "teacher_tokens_per_judged": (sum(r.get("teacher/prompt_tokens", 0) + r.get("teacher/completion_tokens", 0)
                                           for r in records) / max(1, sum(r.get("teacher/judged", 0) for r in records))),
     }
+
+
+def all_zero_anatomy(groups: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """What could tell apart the rollouts of one arm's all-zero groups, counted from its compact group records
+    (`groups.jsonl`: every group of every step; the all-zero ones are those without a verified hit):
+
+    - `groups`, `rollouts`: the all-zero groups and their rollouts;
+    - `informative`: groups whose rewards differ (advantages not all 0);
+    - `first_query_is_question`: rollouts whose first search was the question as written (after answer
+      normalisation: case, punctuation, articles); `no_search`: rollouts that never searched;
+    - `same_evidence`: groups in which every rollout retrieved the same passage ids (over all its searches);
+    - `f1_differs`: groups in which the rollouts' own answer F1 against the gold differs (what `f1-fallback`
+      rewards);
+    - `judged`, `judged_all_s`, `judged_all_a`, `judged_all_i`, `judged_mixed`: groups a teacher judged without
+      an error, by whether it gave every rollout the same status.
+    """
+    counts = dict.fromkeys(("groups", "rollouts", "informative", "first_query_is_question", "no_search",
+                            "same_evidence", "f1_differs", "judged", "judged_all_s", "judged_all_a",
+                            "judged_all_i", "judged_mixed"), 0)
+    for group in groups:
+        if group["kind"] == "verified":
+            continue
+        rollouts = group["summaries"]
+        counts["groups"] += 1
+        counts["rollouts"] += len(rollouts)
+        counts["informative"] += len(set(group["rewards"])) > 1
+        question = normalize_answer(group["question"])
+        for r in rollouts:
+            if not r["queries"]:
+                counts["no_search"] += 1
+            elif normalize_answer(r["queries"][0]) == question:
+                counts["first_query_is_question"] += 1
+        counts["same_evidence"] += len({frozenset(pid for ids in r["passage_ids"] for pid in ids)
+                                        for r in rollouts}) == 1
+        counts["f1_differs"] += len({f1_score(r["answer"], group["golden_answers"]) for r in rollouts}) > 1
+        verdicts = group.get("verdicts")
+        if verdicts and not any(v.get("error") for v in verdicts):
+            counts["judged"] += 1
+            statuses = {v["status"] for v in verdicts}
+            counts["judged_mixed" if len(statuses) > 1 else f"judged_all_{next(iter(statuses)).lower()}"] += 1
+    return counts

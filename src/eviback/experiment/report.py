@@ -21,6 +21,7 @@ from eviback.experiment.compare import (
     CURVES,
     DIVERSITY_KINDS,
     ITEM_METRICS,
+    all_zero_anatomy,
     changed_share,
     item_scores,
     mean_curves,
@@ -56,6 +57,15 @@ def _answers(directory: Path) -> dict:
 
 def _metrics(directory: Path) -> list[dict]:
     return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _groups(directory: Path) -> list[dict]:
+    """The run's compact group records (none for a run kept without them)."""
+    path = directory / "groups.jsonl.gz"
+    if not path.exists():
+        return []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _summary(directory: Path) -> dict:
@@ -119,6 +129,7 @@ def build(config: ExperimentConfig) -> dict[str, Any]:
             "eval": eval_rows([_summary(d) for _, d in runs]),
             "eval_per_seed": {str(s): eval_rows([_summary(d)])["macro"] for s, d in runs},
             "training": training_summary(metrics),
+            "all_zero": all_zero_anatomy([g for _, d in runs for g in _groups(d)]),
             "answers_changed": sum(changed) / len(changed) if changed else None,
             "curves": {key: dict(zip(*mean_curves(metrics, key), strict=True)) for key, _ in CURVES},
         }
@@ -231,19 +242,36 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
     verdicts = [[a, str(t["teacher_judged"]), str(t["stage_b_runs"]), str(t["stage_b_ungrounded"]),
                  " / ".join(str(t["teacher_status"][st]) for st in ("S", "A", "I")), str(t["teacher_errors"]),
                  f"{t['informative_fallback_groups']} / {t['fallback_groups']}",
-                 _f(t.get("gate_balanced_accuracy", float("nan")), 2)]
+                 _f(t.get("gate_balanced_accuracy", float("nan")), 2),
+                 f"{t['evidence_open']} / {t['evidence_labelled']}" if t.get("evidence_labelled") else ""]
                 for a, r in result["arms"].items() if (t := r["training"])["teacher_judged"]]
     if verdicts:
         tables.append(("What the teacher said (sums over steps and seeds)", [
             "arm", "rollouts judged", "Stage A not I (Stage B ran)", "Stage B lowered to I (answer not in the "
             "evidence)", "final S / A / I", "teacher errors", "informative / fallback groups",
-            "Stage A gate balanced accuracy (I vs not-I, against evidence labels)"], verdicts))
+            "Stage A gate balanced accuracy (I vs not-I, against evidence labels)",
+            "judged rollouts whose evidence label is S or A (a gold answer or support in what they saw)"],
+            verdicts))
     diversity = [[a, *(_f(r["training"]["distinct"][k], 2) for k in DIVERSITY_KINDS)]
                  for a, r in result["arms"].items()]
     tables.append(("Within-group diversity of the all-zero groups (distinct values among a group's G rollouts, "
                    "means over steps and seeds; 1: all alike)", [
                        "arm", "query sets", "evidence sets", "evidence labels (what a perfect judge could tell "
                        "apart)", "rewards (what the advantages came from)", "teacher statuses"], diversity))
+    anatomy = [[a, str(z["groups"]), str(z["informative"]),
+                f"{z['first_query_is_question']} / {z['rollouts']}", str(z["no_search"]), str(z["same_evidence"]),
+                str(z["f1_differs"]),
+                " / ".join(str(z[k]) for k in ("judged_all_s", "judged_all_a", "judged_all_i", "judged_mixed"))
+                if z["judged"] else ""]
+               for a, r in result["arms"].items() if (z := r.get("all_zero")) and z["groups"]]
+    if anatomy:
+        tables.append(("The all-zero groups, counted from groups.jsonl (sums over steps and seeds): what could tell "
+                       "their rollouts apart", [
+                           "arm", "all-zero groups", "rewards differ (informative)",
+                           "rollouts whose first search was the question as written", "rollouts with no search",
+                           "groups whose rollouts all retrieved the same passages",
+                           "groups whose rollouts' answer F1 differs (what f1-fallback rewards)",
+                           "teacher judged all S / all A / all I / mixed"], anatomy))
     machine = [[a, _f(r["training"]["step_s"], 1), _f(r["training"]["cpu_s"], 1),
                 _f(r["training"]["cpu_s"] / r["training"]["step_s"], 2) if r["training"]["step_s"] else "",
                 _f(r["training"]["other_cpu_s"], 1), _f(r["training"]["steal_share"], 3)]
