@@ -125,10 +125,10 @@ def test_all_zero_anatomy_counts_what_could_tell_a_groups_rollouts_apart():
                        rollout(None, ["Who wrote the Hamlet", "hamlet author"], [["2"], ["1"]])]},
         # another query, other passages, a partly right answer, mixed verdicts and rewards
         {"kind": "fallback", "question": q, "golden_answers": ["William Shakespeare"], "rewards": [0.1, 0.0],
-         "verdicts": [verdict("S"), verdict("I")],
+         "verdicts": [verdict("S"), verdict("I")], "labels": ["S", "I"],
          "summaries": [rollout("Shakespeare", ["Hamlet play author"], [["3"]]), rollout("no", [], [])]},
         # a teacher error: not judged; grpo's all-zero group has no verdicts at all
-        {"kind": "teacher_error", "question": q, "golden_answers": ["a"], "rewards": [0.0],
+        {"kind": "teacher_error", "question": q, "golden_answers": ["a"], "rewards": [0.0], "labels": ["I"],
          "verdicts": [verdict(None, "timeout")], "summaries": [rollout("b", [q], [["1"]])]},
         {"kind": "all_zero", "question": q, "golden_answers": ["a"], "rewards": [0.0], "verdicts": None,
          "summaries": [rollout("b", [q], [["1"]])]},
@@ -136,7 +136,7 @@ def test_all_zero_anatomy_counts_what_could_tell_a_groups_rollouts_apart():
     assert all_zero_anatomy(groups) == {
         "groups": 4, "rollouts": 6, "informative": 1, "first_query_is_question": 4, "no_search": 1,
         "same_evidence": 3, "f1_differs": 1, "judged": 2, "judged_all_s": 1, "judged_all_a": 0,
-        "judged_all_i": 0, "judged_mixed": 1}
+        "judged_all_i": 0, "judged_mixed": 1, "labelled": 2, "labels_differ": 1}
 
 
 def test_trailing_mean_averages_the_window_behind_each_step():

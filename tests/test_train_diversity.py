@@ -119,3 +119,8 @@ def test_a_step_counts_stage_a_as_a_gate_against_the_evidence_labels():
     assert (record["teacher/gate_label_i"], record["teacher/gate_closed_on_i"]) == (2, 1)
     assert (record["teacher/gate_label_open"], record["teacher/gate_open_on_open"]) == (1, 1)
     assert record["backoff/all_zero_distinct_labels"] == 2.0
+    # the labels are computed once per step and kept with the group, texts or not
+    from eviback.train.grpo import compact_group_record, group_records
+
+    assert outcome.labels == ((S, I, I),)
+    assert compact_group_record(group_records(outcome)[0])["labels"] == ["S", "I", "I"]

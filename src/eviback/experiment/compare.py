@@ -215,11 +215,13 @@ def all_zero_anatomy(groups: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     - `f1_differs`: groups in which the rollouts' own answer F1 against the gold differs (what `f1-fallback`
       rewards);
     - `judged`, `judged_all_s`, `judged_all_a`, `judged_all_i`, `judged_mixed`: groups a teacher judged without
-      an error, by whether it gave every rollout the same status.
+      an error, by whether it gave every rollout the same status;
+    - `labelled`, `labels_differ`: groups whose records carry the rollouts' evidence labels (runs logged since
+      they are kept), and those among them whose labels differ: all a perfect evidence judge could tell apart.
     """
     counts = dict.fromkeys(("groups", "rollouts", "informative", "first_query_is_question", "no_search",
                             "same_evidence", "f1_differs", "judged", "judged_all_s", "judged_all_a",
-                            "judged_all_i", "judged_mixed"), 0)
+                            "judged_all_i", "judged_mixed", "labelled", "labels_differ"), 0)
     for group in groups:
         if group["kind"] == "verified":
             continue
@@ -236,6 +238,9 @@ def all_zero_anatomy(groups: Sequence[Mapping[str, Any]]) -> dict[str, int]:
         counts["same_evidence"] += len({frozenset(pid for ids in r["passage_ids"] for pid in ids)
                                         for r in rollouts}) == 1
         counts["f1_differs"] += len({f1_score(r["answer"], group["golden_answers"]) for r in rollouts}) > 1
+        if group.get("labels"):
+            counts["labelled"] += 1
+            counts["labels_differ"] += len(set(group["labels"])) > 1
         verdicts = group.get("verdicts")
         if verdicts and not any(v.get("error") for v in verdicts):
             counts["judged"] += 1

@@ -260,7 +260,7 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                        "apart)", "rewards (what the advantages came from)", "teacher statuses"], diversity))
     anatomy = [[a, str(z["groups"]), str(z["informative"]),
                 f"{z['first_query_is_question']} / {z['rollouts']}", str(z["no_search"]), str(z["same_evidence"]),
-                str(z["f1_differs"]),
+                str(z["f1_differs"]), f"{z['labels_differ']} / {z['labelled']}" if z["labelled"] else "",
                 " / ".join(str(z[k]) for k in ("judged_all_s", "judged_all_a", "judged_all_i", "judged_mixed"))
                 if z["judged"] else ""]
                for a, r in result["arms"].items() if (z := r.get("all_zero")) and z["groups"]]
@@ -271,6 +271,8 @@ def _tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]
                            "rollouts whose first search was the question as written", "rollouts with no search",
                            "groups whose rollouts all retrieved the same passages",
                            "groups whose rollouts' answer F1 differs (what f1-fallback rewards)",
+                           "groups whose evidence labels differ / labelled (what a perfect evidence judge "
+                           "could tell apart)",
                            "teacher judged all S / all A / all I / mixed"], anatomy))
     machine = [[a, _f(r["training"]["step_s"], 1), _f(r["training"]["cpu_s"], 1),
                 _f(r["training"]["cpu_s"] / r["training"]["step_s"], 2) if r["training"]["step_s"] else "",

@@ -25,7 +25,7 @@ from typing import Any
 
 from eviback.metrics import normalize_answer
 from eviback.teacher.workflow import evidence_as_seen
-from eviback.types import Group, Verdict
+from eviback.types import Group, Status, Verdict
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,18 @@ class GroupDiversity:
 
 
 def group_diversity(
-    group: Group, rewards: Sequence[float], verdicts: Sequence[Verdict] | None = None
+    group: Group, rewards: Sequence[float], verdicts: Sequence[Verdict] | None = None,
+    labels: Sequence[Status] | None = None,
 ) -> GroupDiversity:
     """The diversity of `group`; `rewards` (one per rollout) are those its advantages came from, `verdicts`
-    the teacher's when it was judged."""
+    the teacher's when it was judged, `labels` the rollouts' evidence labels where the caller has them (else
+    computed here)."""
     if len(rewards) != len(group.trajectories):
         raise ValueError(f"{len(rewards)} rewards for a group of {len(group.trajectories)} rollouts")
-    from eviback.teacher.labels import trajectory_label
+    if labels is None:
+        from eviback.teacher.labels import trajectory_label
+
+        labels = [trajectory_label(t) for t in group.trajectories]
 
     queries = {frozenset(normalize_answer(q) for q in t.queries) for t in group.trajectories}
     evidence = set()
@@ -61,7 +66,7 @@ def group_diversity(
         statuses = len({v.status for v in verdicts})
     return GroupDiversity(rollouts=len(group.trajectories), queries=len(queries), evidence=len(evidence),
                           rewards=len(set(rewards)), statuses=statuses,
-                          labels=len({trajectory_label(t) for t in group.trajectories}))
+                          labels=len(set(labels)))
 
 
 def _mean(values: Sequence[float]) -> float | None:

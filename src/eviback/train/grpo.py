@@ -33,6 +33,7 @@ shape (rows,) which the loss reads later.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -113,6 +114,15 @@ class StepOutcome:
     verdicts: tuple[tuple[Verdict, ...] | None, ...]
     teacher_s: float
     sync_s: float
+
+    @functools.cached_property
+    def labels(self) -> tuple[tuple[Status, ...], ...]:
+        """The evidence label of every rollout, group by group (S/A/I of what the actor saw, computed from
+        the gold by :func:`eviback.teacher.labels.trajectory_label`: a diagnostic, never a reward); computed
+        once, for the gate counts, the diversity and the group records."""
+        from eviback.teacher.labels import trajectory_label
+
+        return tuple(tuple(trajectory_label(t) for t in g.trajectories) for g in self.batch.groups)
 
 
 class EviBackTrainer(GRPOTrainer):
@@ -584,8 +594,8 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
     record["teacher/reward_mean"] = sum(judged_rewards) / len(judged_rewards) if judged_rewards else None
     # could the all-zero groups carry a signal? distinct queries, evidence sets, rewards, statuses per group
     record.update(diversity_metrics([
-        group_diversity(g, o.rewards, vs)
-        for g, o, vs in zip(batch.groups, outcome.outcomes, outcome.verdicts, strict=True)
+        group_diversity(g, o.rewards, vs, labels)
+        for g, o, vs, labels in zip(batch.groups, outcome.outcomes, outcome.verdicts, outcome.labels, strict=True)
         if not has_verified_hit(o.em, backoff)]))
     return record
 
@@ -596,16 +606,14 @@ def gate_counts(outcome: StepOutcome) -> dict[str, int]:
     `teacher/gate_closed_on_i` Stage A called I; `teacher/gate_label_open` rollouts whose evidence is S or A,
     of which `teacher/gate_open_on_open` Stage A let through. Summed over a run, the gate's balanced
     accuracy is the mean of the two rates (a step holds too few rollouts for a rate of its own)."""
-    from eviback.teacher.labels import trajectory_label
-
     counts = {"teacher/gate_label_i": 0, "teacher/gate_closed_on_i": 0, "teacher/gate_label_open": 0,
               "teacher/gate_open_on_open": 0}
-    for group, verdicts in zip(outcome.batch.groups, outcome.verdicts, strict=True):
-        for t, v in zip(group.trajectories, verdicts or (), strict=False):
+    for labels, verdicts in zip(outcome.labels, outcome.verdicts, strict=True):
+        for label, v in zip(labels, verdicts or (), strict=False):
             if v.teacher_error or v.stage_a_status is None:
                 continue
             closed = v.stage_a_status is Status.INSUFFICIENT
-            if trajectory_label(t) is Status.INSUFFICIENT:
+            if label is Status.INSUFFICIENT:
                 counts["teacher/gate_label_i"] += 1
                 counts["teacher/gate_closed_on_i"] += closed
             else:
@@ -619,7 +627,8 @@ def group_records(outcome: StepOutcome) -> list[dict[str, Any]]:
     how the group was treated. These go to `rollouts/step-<step>.jsonl.gz` (the last few steps only);
     :func:`compact_group_record` of each goes to `groups.jsonl`."""
     records = []
-    for group, o, verdicts in zip(outcome.batch.groups, outcome.outcomes, outcome.verdicts, strict=True):
+    for group, o, verdicts, labels in zip(outcome.batch.groups, outcome.outcomes, outcome.verdicts, outcome.labels,
+                                          strict=True):
         records.append({
             "step": outcome.step,
             "question_id": group.question.id,
@@ -632,6 +641,7 @@ def group_records(outcome: StepOutcome) -> list[dict[str, Any]]:
             "advantages": list(o.advantages),
             "keep": o.keep,
             "verdicts": [to_dict(v) for v in verdicts] if verdicts else None,
+            "labels": [label.value for label in labels],  # the evidence labels (a diagnostic)
             "rollouts": [to_dict(dataclasses.replace(t, tokens=None)) for t in group.trajectories],
         })
     return records
