@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from eviback.backoff import Mode
-from eviback.train.config import TrainConfig, describe_fields, preset_names, resolve_config
+from eviback.train.config import TrainConfig, describe_fields, parse_override, preset_names, resolve_config
 from eviback.train.run import RunDir
 
 
@@ -58,8 +58,23 @@ def test_run_dir_refuses_silent_reuse_and_changed_config(tmp_path):
     assert run.start(TrainConfig(), resume=False) is None
     with pytest.raises(FileExistsError, match="--resume"):
         run.start(TrainConfig(), resume=False)
-    with pytest.raises(ValueError, match="lam: 0.1 -> 0.5"):
+    with pytest.raises(ValueError, match="lam: 0.1 -> 0.5") as refused:
         run.start(TrainConfig.from_settings(lam=0.5), resume=True)
+    # the message names the overrides that continue the run as it ran, and they do
+    hint = str(refused.value).split("as it ran: ")[1]
+    assert hint == "--set lam=0.1"
+    key, value = parse_override(hint.removeprefix("--set "))
+    assert run.start(TrainConfig.from_settings(**{key: value}), resume=True) is None
+    # a setting the earlier run's file does not name is compared with what ran then, and named so
+    saved = run.config_path.read_text()
+    config = yaml.safe_load(saved)
+    del config["teacher_stage_b"]
+    run.config_path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError) as refused:
+        run.start(TrainConfig(), resume=True)
+    hint = str(refused.value).split("as it ran: ")[1]
+    assert parse_override(hint.removeprefix("--set ")) == ("teacher_stage_b", "prompted")
+    run.config_path.write_text(saved)
     # extending a run is allowed
     assert run.start(TrainConfig.from_settings(max_steps=50), resume=True) is None
     assert yaml.safe_load(run.config_path.read_text())["max_steps"] == 50

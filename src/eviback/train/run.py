@@ -123,8 +123,11 @@ class RunDir:
             changed = {k for k, v in settings.items() if previous.get(k, defaults[k]) != v}
             changed -= RESUMABLE_CHANGES
             if changed:
-                diffs = ", ".join(f"{k}: {previous.get(k)!r} -> {settings[k]!r}" for k in sorted(changed))
-                raise ValueError(f"cannot resume {self.root} with a different configuration ({diffs})")
+                was = {k: previous.get(k, defaults[k]) for k in sorted(changed)}
+                diffs = ", ".join(f"{k}: {was[k]!r} -> {settings[k]!r}" for k in was)
+                as_set = " ".join(f"--set {k}={_as_override(v)}" for k, v in was.items())
+                raise ValueError(f"cannot resume {self.root} with a different configuration ({diffs}); to "
+                                 f"continue it as it ran: {as_set}")
         self.config_path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         step = self.last_checkpoint_step()
         self.truncate_logs(step or 0)
@@ -234,3 +237,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _as_override(value: object) -> str:
+    """`value` as `--set key=VALUE` parses it back (YAML flow style, without YAML's end-of-document mark)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
