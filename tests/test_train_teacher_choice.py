@@ -77,7 +77,8 @@ def test_a_run_made_before_the_extractive_default_does_not_resume_with_it(tmp_pa
     old = yaml.safe_load(run.config_path.read_text())
     del old["teacher_stage_b"]  # what an earlier eviback wrote: its Stage B was the LLM's
     run.config_path.write_text(yaml.safe_dump(old))
-    with pytest.raises(ValueError, match="teacher_stage_b: None -> 'extractive'"):
+    # named with what it ran (the LLM's Stage B), and how to continue it so
+    with pytest.raises(ValueError, match="teacher_stage_b: 'prompted' -> 'extractive'.*--set teacher_stage_b=prompted"):
         run.start(TrainConfig(), resume=True)
     assert run.start(TrainConfig.from_settings(teacher_stage_b="prompted"), resume=True) is None
 
