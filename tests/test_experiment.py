@@ -132,10 +132,15 @@ def test_all_zero_anatomy_counts_what_could_tell_a_groups_rollouts_apart():
          "verdicts": [verdict(None, "timeout")], "summaries": [rollout("b", [q], [["1"]])]},
         {"kind": "all_zero", "question": q, "golden_answers": ["a"], "rewards": [0.0], "verdicts": None,
          "summaries": [rollout("b", [q], [["1"]])]},
+        # DAPO drops the groups whose rollouts all hit as well as those that all failed: only the latter count
+        {"kind": "dropped", "em": [1.0], "question": q, "golden_answers": ["a"], "rewards": [1.0],
+         "verdicts": None, "summaries": [rollout("a", [q], [["1"]])]},
+        {"kind": "dropped", "em": [0.0], "question": q, "golden_answers": ["a"], "rewards": [0.0],
+         "verdicts": None, "summaries": [rollout("b", ["other"], [["1"]])]},
     ]
     assert all_zero_anatomy(groups) == {
-        "groups": 4, "rollouts": 6, "informative": 1, "first_query_is_question": 4, "no_search": 1,
-        "same_evidence": 3, "f1_differs": 1, "judged": 2, "judged_all_s": 1, "judged_all_a": 0,
+        "groups": 5, "rollouts": 7, "informative": 1, "first_query_is_question": 4, "no_search": 1,
+        "same_evidence": 4, "f1_differs": 1, "judged": 2, "judged_all_s": 1, "judged_all_a": 0,
         "judged_all_i": 0, "judged_mixed": 1, "labelled": 2, "labels_differ": 1}
 
 

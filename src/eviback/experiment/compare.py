@@ -203,6 +203,14 @@ def training_summary(runs: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, f
     }
 
 
+def _all_zero(group: Mapping[str, Any]) -> bool:
+    """A group record without a verified hit: any kind but "verified", except DAPO's, which drops the groups
+    whose rollouts all hit as well as those that all failed (EM is 0 or 1)."""
+    if group["kind"] == "dropped":
+        return all(e < 1.0 for e in group["em"])
+    return group["kind"] != "verified"
+
+
 def all_zero_anatomy(groups: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """What could tell apart the rollouts of one arm's all-zero groups, counted from its compact group records
     (`groups.jsonl`: every group of every step; the all-zero ones are those without a verified hit):
@@ -223,7 +231,7 @@ def all_zero_anatomy(groups: Sequence[Mapping[str, Any]]) -> dict[str, int]:
                             "same_evidence", "f1_differs", "judged", "judged_all_s", "judged_all_a",
                             "judged_all_i", "judged_mixed", "labelled", "labels_differ"), 0)
     for group in groups:
-        if group["kind"] == "verified":
+        if not _all_zero(group):
             continue
         rollouts = group["summaries"]
         counts["groups"] += 1
