@@ -11,12 +11,12 @@ Redrawn after every finished run, and at any time with `eviback experiment CONFI
 from __future__ import annotations
 
 import base64
-import gzip
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from eviback.data import read_jsonl
 from eviback.experiment.compare import (
     CURVES,
     DIVERSITY_KINDS,
@@ -42,8 +42,7 @@ DIFF_LABELS = {"f1": "F1", "em": "EM", "valid_answer": "valid answer", "searches
 
 
 def _records(directory: Path) -> list[dict]:
-    with gzip.open(directory / "eval" / "items.jsonl.gz", "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    return list(read_jsonl(directory / "eval" / "items.jsonl.gz"))
 
 
 def _items(directory: Path) -> dict:
@@ -56,16 +55,13 @@ def _answers(directory: Path) -> dict:
 
 
 def _metrics(directory: Path) -> list[dict]:
-    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return list(read_jsonl(directory / "metrics.jsonl"))
 
 
 def _groups(directory: Path) -> list[dict]:
     """The run's compact group records (none for a run kept without them)."""
     path = directory / "groups.jsonl.gz"
-    if not path.exists():
-        return []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return list(read_jsonl(path)) if path.exists() else []
 
 
 def _summary(directory: Path) -> dict:

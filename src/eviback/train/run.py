@@ -120,10 +120,10 @@ class RunDir:
             # with what the code did before the setting existed.
             defaults = {**type(config)().to_dict(), **EARLIER_BEHAVIOUR}
             settings = config.to_dict()
-            changed = {k for k, v in settings.items() if previous.get(k, defaults[k]) != v}
-            changed -= RESUMABLE_CHANGES
+            ran = {k: previous.get(k, defaults[k]) for k in settings}
+            changed = {k for k, v in settings.items() if ran[k] != v} - RESUMABLE_CHANGES
             if changed:
-                was = {k: previous.get(k, defaults[k]) for k in sorted(changed)}
+                was = {k: ran[k] for k in sorted(changed)}
                 diffs = ", ".join(f"{k}: {was[k]!r} -> {settings[k]!r}" for k in was)
                 as_set = " ".join(f"--set {k}={_as_override(v)}" for k, v in was.items())
                 raise ValueError(f"cannot resume {self.root} with a different configuration ({diffs}); to "
