@@ -19,6 +19,7 @@ from pathlib import Path
 
 from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
+from eviback.device import Placement, place, record
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +160,17 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO):
     return tokenizer
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO, threads: int | None = None):
-    """A causal LM in eval mode, on CPU (or wherever `device_map` places it), in `dtype` (`auto`: see
-    `eviback.dtype`)."""
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO, threads: int | None = None, *,
+               device: str | Placement = "auto", what: str = "policy"):
+    """A causal LM in eval mode, in `dtype` (`auto`: see `eviback.dtype`) on `device` (a setting or a resolved
+    :class:`~eviback.device.Placement`; `auto`: the local GPU when there is one). Recorded as `what` in
+    `eviback.device.placements()`."""
     from transformers import AutoModelForCausalLM
 
     set_threads(threads)
-    dtype = dtypes.resolve(dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path, dtype), dtype=dtypes.torch_dtype(dtype))
+    placement = place(device, dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path, placement.dtype),
+                                                 dtype=placement.torch_dtype)
+    model.to(placement.torch_device)
     model.eval()
-    return model
+    return record(what, model, placement)

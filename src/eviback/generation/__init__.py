@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.generation.base import Completion, FinishReason, GenerationBackend, SamplingConfig
 from eviback.policy import DEFAULT_MODEL
@@ -26,6 +27,7 @@ class BackendConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 where the device computes it natively, else "
                        "fp32: eviback.dtype), bfloat16, float32 or float16"})
+    device: str = field(default="auto", metadata={"help": devices.HELP})
     max_model_len: int = field(default=4096, metadata={"help": "vllm: longest prompt + completion"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vllm on CPU: KV cache GiB (default: $VLLM_CPU_KVCACHE_SPACE or 2)"})
     executor: str = field(default="inprocess", metadata={"help": "vllm: inprocess, multiprocess or external_launcher"})
@@ -37,6 +39,7 @@ class BackendConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         dtypes.check(self.dtype)
+        devices.check_device(self.device)
 
 
 def load_backend(config: BackendConfig | None = None) -> GenerationBackend:

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig
 from eviback.rollout import RolloutConfig
@@ -58,6 +59,8 @@ class TeacherSettings:
     judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is built "
                                      "from (0: all)"})
     judge_epochs: float = field(default=3.0, metadata={"help": "training passes of the evidence judge"})
+    judge_base_model: str = field(default="", metadata={"help": "the encoder the evidence judge is fine-tuned from "
+                                  "(default: the bundled all-MiniLM-L6-v2); a local model directory"})
     judge_rollouts: list[str] = field(default_factory=list, metadata={"help": "rollout dumps (JSONL, .gz too) of the "
                                       "warm-started actor on training questions that the evidence judge also "
                                       "learns from (benchmarks/bench_teacher_rollouts.py --judge-split train)"})
@@ -108,6 +111,7 @@ SECTION_SETTINGS: dict[str, tuple[str, str]] = {
     "judge_max_questions": ("teacher", "judge_max_questions"),
     "judge_epochs": ("teacher", "judge_epochs"),
     "judge_rollouts": ("teacher", "judge_rollouts"),
+    "judge_base_model": ("teacher", "judge_base_model"),
     "teacher_stage_b": ("teacher", "stage_b"),
     "teacher_span_words": ("teacher", "span_words"),
 }
@@ -165,13 +169,16 @@ class TrainConfig:
     micro_batch_rows: int = field(default=0, metadata={"help": "rollouts per forward/backward pass of the update "
                                   "(0: 1 on CPU, one group of G on GPU); fewer rows, less activation memory, same "
                                   "loss and gradient; must divide questions_per_step x group_size"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward "
-                                         "pass: saves memory on large models, costs ~30% time"})
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "recompute activations in the "
+                                                "backward pass: saves memory on large models, costs ~30% time; "
+                                                "None (default): on for models of 1B parameters and more on a GPU"})
     dtype: str = field(default="auto", metadata={"help": "compute dtype of the trainer, its rollout engine and "
                        "the local teacher: auto (bf16 where the device computes it natively, fp32 otherwise; "
                        "decided by a cached matmul measurement, recorded in dtype.json), bfloat16 (CPU: a bf16 "
                        "model with fp32 master weights; GPU: fp32 weights under accelerate's bf16 autocast) or "
                        "float32"})
+    device: str = field(default="auto", metadata={"help": devices.HELP + "; every model of the run (trainer, "
+                        "reference, engine, teacher, evidence judge, warm start, evaluation) goes there"})
     seed: int = field(default=0, metadata={"help": "seed for sampling and data order"})
     build_seed: int = field(default=0, metadata={"help": "seed of the cached warm start and evidence judge the run "
                             "starts from; apart from `seed`, so that runs of several seeds share one starting point"})
@@ -217,6 +224,7 @@ class TrainConfig:
             raise ValueError(f"micro_batch_rows={self.micro_batch_rows} must divide questions_per_step x group_size "
                              f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
         dtypes.check(self.dtype, allowed=("bfloat16", "float32"))
+        devices.check_device(self.device)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any] | None = None, /, **settings: Any) -> TrainConfig:
