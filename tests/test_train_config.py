@@ -156,6 +156,7 @@ SETTING_NAMES = {
     "loss_type", "max_steps", "save_steps", "save_total_limit", "micro_batch_rows", "gradient_checkpointing", "dtype",
     "seed", "build_seed", "report_to", "eval_benchmarks", "eval_limit", "eval_warm_start", "keep_rollout_steps",
     "teacher_stage_a", "judge_max_questions", "judge_epochs", "judge_rollouts", "teacher_stage_b", "teacher_span_words",
+    "device", "judge_base_model",
 }
 
 
@@ -221,3 +222,23 @@ def test_a_rollout_section_not_built_from_settings_is_refused():
         TrainConfig(rollout={"group_size": 3})
     with pytest.raises(ValueError, match="bounds the context by its settings"):
         TrainConfig(rollout=RolloutConfig(group_size=3))
+
+
+def test_gradient_checkpointing_defaults_on_for_large_models_on_a_gpu(tmp_path):
+    from eviback.train.runner import Precision, gradient_checkpointing, trl_arguments
+
+    assert gradient_checkpointing(None, accelerator=True, parameters=1_700_000_000)
+    assert not gradient_checkpointing(None, accelerator=True, parameters=600_000_000)
+    assert not gradient_checkpointing(None, accelerator=False, parameters=4_000_000_000)  # a CPU: the setting only
+    assert not gradient_checkpointing(False, accelerator=True, parameters=4_000_000_000)
+    assert gradient_checkpointing(True, accelerator=False, parameters=1)
+    config = TrainConfig()
+    assert config.gradient_checkpointing is None
+    assert trl_arguments(config, tmp_path, Precision.FLOAT32, cuda=False, checkpointing=True).gradient_checkpointing
+    assert not trl_arguments(config, tmp_path, Precision.FLOAT32, cuda=False).gradient_checkpointing
+
+
+def test_device_setting_is_checked():
+    assert TrainConfig.from_settings(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        TrainConfig.from_settings(device="gpu")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
 from eviback.generation.base import GenerationBackend
@@ -263,6 +264,10 @@ def comparison_html(summaries: Mapping[str, EvalSummary]) -> str:
 # The `eviback eval` job: files in, an output directory out, resumable.
 
 
+CPU_EVAL_BATCH, GPU_EVAL_BATCH = 64, 256  # questions per batched rollout when `batch_size` is 0
+PLACEMENTS_FILE = "placements.json"  # where the evaluation's models computed (eviback.device.placements)
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """An evaluation run. Fields marked `identity` must match when a run resumes in the same directory."""
@@ -277,13 +282,15 @@ class EvalConfig:
     dtype: str = field(default="auto", metadata={"help": "model dtype: auto (bf16 where the device computes it "
                        "natively, else fp32: eviback.dtype), bfloat16, float32, float16; the resolved one is part "
                        "of the identity", "identity": True})
+    device: str = field(default="auto", metadata={"help": devices.HELP})
     backend: str = field(default="vllm", metadata={"help": "vllm or hf", "identity": True})
     topk: int = field(default=3, metadata={"help": "passages per search", "identity": True})
     max_turns: int = field(default=4, metadata={"help": "executed turns before the final one", "identity": True})
     max_turn_tokens: int = field(default=500, metadata={"help": "new tokens per turn", "identity": True})
     max_observation_tokens: int = field(default=500, metadata={"help": "observation cap in tokens", "identity": True})
     max_context_tokens: int = field(default=4096, metadata={"help": "prompt + response cap", "identity": True})
-    batch_size: int = field(default=64, metadata={"help": "questions per batched rollout (and per resume checkpoint)"})
+    batch_size: int = field(default=0, metadata={"help": "questions per batched rollout (and per resume checkpoint); "
+                            f"0: {CPU_EVAL_BATCH} on the CPU, {GPU_EVAL_BATCH} on a GPU"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vLLM CPU KV cache in GiB"})
     threads: int | None = field(default=None, metadata={"help": "torch threads"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
@@ -291,9 +298,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size < 0:
+            raise ValueError(f"batch_size must be >= 1 (0: {CPU_EVAL_BATCH} on the CPU, {GPU_EVAL_BATCH} on a GPU), "
+                             f"got {self.batch_size}")
         dtypes.check(self.dtype)
+        devices.check_device(self.device)
 
     def rollout_config(self) -> RolloutConfig:
         return greedy(RolloutConfig(
@@ -311,7 +320,7 @@ class EvalConfig:
         """The settings that must match on resume; `dtype` as resolved on this machine, so a run resumed on a
         machine where `auto` means another dtype is refused instead of mixing precisions."""
         identity = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("identity")}
-        identity["dtype"] = dtypes.resolve(self.dtype)
+        identity["dtype"] = devices.place(self.device, self.dtype).dtype
         return identity
 
 
@@ -394,7 +403,7 @@ def _check_resume(out: Path, config: EvalConfig, overwrite: bool) -> None:
                              "use another --out, or --overwrite to start it again")
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(saved, json.dumps({"identity": config.identity(), "config": to_dict(config),
-                                     "dtype": dtypes.choose(config.dtype).to_dict()}, indent=2) + "\n")
+                                     "dtype": devices.place(config.device, config.dtype).to_dict()}, indent=2) + "\n")
 
 
 def open_retriever(config: EvalConfig) -> Retriever:
@@ -435,18 +444,28 @@ def run_eval(
                 bar.update(len(new))
 
             # Longer questions together would pad less, but input order keeps resume and logs simple.
-            evaluate_tasks(engine, pending, batch_size=config.batch_size, on_batch=on_batch)
+            evaluate_tasks(engine, pending, batch_size=eval_batch_size(config), on_batch=on_batch)
         log.info("evaluated %d questions in %.0f s", len(pending), time.perf_counter() - started)
         if own_retriever:
             retriever.close()
+    _write_atomic(out / PLACEMENTS_FILE, json.dumps(
+        {"models": devices.placements(), "off_device": devices.off_device()}, indent=2) + "\n")
     return write_summary(out, tasks)
+
+
+def eval_batch_size(config: EvalConfig) -> int:
+    """Questions per batched rollout: the setting, or by device (a GPU decodes a larger batch for the price
+    of a small one: it reads the weights once per step for the whole batch)."""
+    if config.batch_size:
+        return config.batch_size
+    return GPU_EVAL_BATCH if devices.place(config.device, config.dtype).accelerator else CPU_EVAL_BATCH
 
 
 def _load_backend(config: EvalConfig) -> GenerationBackend:
     from eviback.generation import BackendConfig, load_backend
 
     return load_backend(BackendConfig(
-        backend=config.backend, model=config.model, dtype=config.dtype,
+        backend=config.backend, model=config.model, dtype=config.dtype, device=config.device,
         max_model_len=max(4096, config.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
     ))
 

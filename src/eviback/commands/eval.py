@@ -22,6 +22,7 @@ HELP = "evaluate a model on the QA benchmarks (EM, F1, valid answers, searches)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback import device as devices
     from eviback.evaluate import EvalConfig
 
     defaults = EvalConfig()
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=defaults.model, help="model name or checkpoint directory (default: %(default)s)")
     model.add_argument("--dtype", default=defaults.dtype, choices=["auto", "bfloat16", "float32", "float16"],
                        help="auto (default): bf16 where the device computes it natively, else fp32")
+    model.add_argument("--device", default=defaults.device, help=devices.HELP + " (default: %(default)s)")
     model.add_argument("--backend", default=defaults.backend, choices=["vllm", "hf"],
                        help="generation engine (default: %(default)s)")
     model.add_argument("--kv-cache-gib", type=float, help="vLLM on CPU: KV cache size in GiB (default 2)")
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="default: %(default)s")
     rollout.add_argument("--max-context-tokens", type=int, default=defaults.max_context_tokens, help="default: %(default)s")
     rollout.add_argument("--batch-size", type=int, default=defaults.batch_size,
-                         help="questions per batched rollout, and per resume checkpoint (default: %(default)s)")
+                         help="questions per batched rollout, and per resume checkpoint (default: 0: 64 on the "
+                              "CPU, 256 on a GPU)")
     parser.add_argument("--out", help="output directory (default: runs/eval/<model>)")
     parser.add_argument("--overwrite", action="store_true", help="discard results already in --out")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         retriever=args.retriever,
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         backend=args.backend,
         topk=args.topk,
         max_turns=args.max_turns,

@@ -89,3 +89,19 @@ def cpu_gauges(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float | Non
     record["host/other_cpu_s"] = round(max(0.0, busy - own), 3)
     record["host/steal_share"] = round(steal / total, 4) if total > 0 else None
     return record
+
+
+def gpu_gauges(*, reset: bool = True) -> dict[str, float]:
+    """This process's GPU memory on its current CUDA device, in GB: the peak allocated since the last reset
+    (`gpu/peak_gb`: what a step needs) and what the allocator holds now (`gpu/reserved_gb`); the peak is
+    reset for the next step when `reset`. Empty where no CUDA device is in use."""
+    import sys
+
+    torch = sys.modules.get("torch")  # never the reason torch is imported
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    gauges = {"gpu/peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3),
+              "gpu/reserved_gb": round(torch.cuda.memory_reserved() / 1e9, 3)}
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return gauges

@@ -28,6 +28,7 @@ from typing import Any
 
 from eviback import dtype as dtypes
 from eviback.data import load_suite, read_training_questions
+from eviback.device import Placement, place, record
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 
@@ -253,6 +254,7 @@ class RunStart:
     run: RunDir
     resumed_from: int | None  # the checkpoint step resumed from (None: a fresh run)
     checkpoint: Path | None  # the checkpoint directory resumed from
+    placement: Placement  # where and in what every model of the run computes (the `device` and `dtype` settings)
 
     @property
     def main(self) -> bool:
@@ -304,12 +306,13 @@ def prepare_run(config: TrainConfig, output: str | Path, resume: bool,
                 teacher_record: dict[str, Any] | None) -> RunStart:
     """Form the process group, and prepare (or resume) the run directory on the main process; the others
     wait for it, then read it."""
-    import torch
     from accelerate import PartialState
 
+    # Where this process computes: its own GPU under torchrun/accelerate launch (LOCAL_RANK), decided once.
+    placement = place(config.device, config.dtype)
     # The process group under torchrun/accelerate (one process: nothing to set up). On CPU accelerate forms
     # the group only when told it is a CPU run, as TRL's Accelerator (use_cpu) is told later.
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = PartialState(cpu=not placement.accelerator)
     run = RunDir(output)
     if state.is_main_process:
         resumed_from = run.start(config, resume)
@@ -326,7 +329,7 @@ def prepare_run(config: TrainConfig, output: str | Path, resume: bool,
                          f"resume with max_steps >= {resumed_from}")
     if resumed_from is not None and resumed_from == config.max_steps:
         log.info("%s already finished %d steps", run.root, resumed_from)
-    return RunStart(state, run, resumed_from, checkpoint)
+    return RunStart(state, run, resumed_from, checkpoint, placement)
 
 
 def build_training(config: TrainConfig, start: RunStart) -> Training:
@@ -351,27 +354,31 @@ def build_training(config: TrainConfig, start: RunStart) -> Training:
     if main:
         write_start_record(run.start_path, policy_path)
     tokenizer = load_tokenizer(policy_path)
-    dtype = dtypes.choose(config.dtype)
-    precision = training_precision(dtype.dtype, torch.cuda.is_available())
+    placement = start.placement
+    dtype = placement.dtype_choice
+    precision = training_precision(dtype.dtype, placement.accelerator)
     if main:
-        earlier = run.write_dtype({**dtype.to_dict(), "precision": precision.value})
+        earlier = run.write_dtype({**placement.to_dict(), "precision": precision.value})
         if earlier is not None:
             log.warning("%s ran in %s before and resumes in %s here (%s): the steps from here on compute in "
                         "another precision", run.root, earlier["dtype"], dtype.dtype, dtype.reason)
-    log.info("compute dtype %s (%s): %s", dtype.dtype, precision.value, dtype.reason)
+    log.info("compute dtype %s (%s) on %s: %s", dtype.dtype, precision.value, placement.device, dtype.reason)
     model, master = load_policy_for_training(policy_path, precision, start.checkpoint)
     if master is not None:
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
 
-    # The engine holds its own copy of the policy, refreshed before each rollout step: the trainer's model
-    # runs in training mode (and, on GPUs, with gradient checkpointing), which generation must not share.
-    # Its KV cache is sized to one step's rollouts (train/memory.py) instead of vLLM's CPU default of 2 GiB.
+    # The engine holds its own copy of the policy on the run's device, refreshed before each rollout step: the
+    # trainer's model runs in training mode, in fp32 under autocast on a GPU and with gradient checkpointing on
+    # large models, which generation must not share; a bf16 copy on the same GPU costs 2 bytes a parameter and
+    # a device-to-device copy per step. Its KV cache is sized to one step's rollouts (train/memory.py) instead
+    # of vLLM's CPU default of 2 GiB.
     rollout = config.rollout
     kv_cache = rollout_kv_cache_gib(rollout.group_size * config.questions_per_step, rollout.max_context_tokens,
                                     policy_path, dtype.dtype)
     backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
+                                         device=placement.device,
                                          max_model_len=max(2048, rollout.max_context_tokens), kv_cache_gib=kv_cache))
     engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
     return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
@@ -409,10 +416,24 @@ def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: 
                        "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
 
-def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precision, cuda: bool):  # noqa: ANN201
+CHECKPOINTING_PARAMETERS = 1_000_000_000  # on a GPU, models this large recompute activations by default
+
+
+def gradient_checkpointing(setting: bool | None, accelerator: bool, parameters: int) -> bool:
+    """Whether the update recomputes activations in the backward pass: the setting when given, else on for
+    models of 1B parameters and more on a GPU (their activations, not their weights, decide whether a step of
+    Search-R1's size fits: docs/training.md's memory arithmetic)."""
+    if setting is not None:
+        return setting
+    return accelerator and parameters >= CHECKPOINTING_PARAMETERS
+
+
+def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precision, cuda: bool,  # noqa: ANN201
+                  checkpointing: bool | None = None):
     """TRL's GRPOConfig for the run: one optimiser step per generation batch (questions_per_step groups of
     group_size rollouts), scored in micro-batches; the sampling settings TRL needs to score the engine's
-    tokens (temperature, top_p) are the rollout's own."""
+    tokens (temperature, top_p) are the rollout's own. `cuda`: the run computes on a GPU; `checkpointing`:
+    the resolved gradient checkpointing (None: the setting, off when unset)."""
     from trl import GRPOConfig
 
     rollout = config.rollout
@@ -446,21 +467,19 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
         bf16=precision is Precision.AUTOCAST,
         fp16=False,
         remove_unused_columns=False,
-        gradient_checkpointing=config.gradient_checkpointing,
+        gradient_checkpointing=bool(config.gradient_checkpointing if checkpointing is None else checkpointing),
         disable_tqdm=False,
     )
 
 
 def make_trainer(config: TrainConfig, start: RunStart, training: Training, teacher: Any):  # noqa: ANN201
     """The EviBackTrainer of the run, logging every step into the run directory (:class:`StepLog`)."""
-    import torch
-
     from eviback.train.grpo import BehaviourCorrection, EviBackTrainer, training_dataset
     from eviback.train.step_log import StepLog
 
     step_log = StepLog(start.run, config.backoff, keep_rollout_steps=config.keep_rollout_steps,
                        max_steps=config.max_steps, processes=start.state.num_processes, main=start.main)
-    return EviBackTrainer(
+    trainer = EviBackTrainer(
         engine=training.engine,
         questions={q.id: q for q in training.questions},
         backoff=config.backoff,
@@ -472,12 +491,20 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
         correction=BehaviourCorrection(enabled=config.is_correction, cap=config.is_cap,
                                        mode=f"{config.is_level}_truncate"),
         model=training.model,
-        args=trl_arguments(config, start.run.checkpoints, training.precision, torch.cuda.is_available()),
+        args=trl_arguments(config, start.run.checkpoints, training.precision, start.placement.accelerator,
+                           gradient_checkpointing(config.gradient_checkpointing, start.placement.accelerator,
+                                                  sum(p.numel() for p in training.model.parameters()))),
         train_dataset=training_dataset(training.questions),
         processing_class=training.tokenizer,
         optimizers=(training.optimizer, None),
         callbacks=[step_log],
     )
+    # Accelerate put the trainer's model (and TRL its reference model) on the device: record where they are.
+    # With fp32 masters on the CPU the trained model is the bf16 copy; the masters stay beside it.
+    record("trainer", trainer.model, start.placement)
+    if getattr(trainer, "ref_model", None) is not None:
+        record("reference model", trainer.ref_model, start.placement)
+    return trainer
 
 
 def finish_run(config: TrainConfig, start: RunStart, training: Training, start_summary: Any | None) -> Any | None:
@@ -497,10 +524,26 @@ def finish_run(config: TrainConfig, start: RunStart, training: Training, start_s
                                                     max_context_tokens=training.engine.config.max_context_tokens),
                                backend=training.backend, retriever=training.retriever)
         write_run_report(run, summary, start_summary)
+    write_placements(run.root / PLACEMENTS_FILE, start.placement)
     start.state.wait_for_everyone()
     if main:
         run.unlock()
     return summary
+
+
+PLACEMENTS_FILE = "placements.json"
+
+
+def write_placements(path: Path, placement: Placement) -> None:
+    """Where this process's models computed (`eviback.device.placements()`): one file per process, the main
+    process's as `path`, the others' beside it with their rank (`placements.rank1.json`, ...)."""
+    from eviback.device import local_rank, off_device, placements
+
+    records = placements()
+    rank = local_rank()
+    target = path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+    target.write_text(json.dumps({"placement": placement.device, "dtype": placement.dtype,
+                                  "models": records, "off_device": off_device(records)}, indent=2) + "\n")
 
 
 def write_start_record(path: Path, policy_path: str) -> None:
@@ -518,7 +561,8 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **ove
 
     return EvalConfig(
         out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
-        model=model, backend=config.backend, dtype=dtypes.resolve(config.dtype), retriever=config.retriever,
+        model=model, backend=config.backend, dtype=dtypes.resolve(config.dtype, place(config.device).kind),
+        device=config.device, retriever=config.retriever,
         topk=config.rollout.topk, max_turns=config.rollout.max_turns, max_turn_tokens=config.rollout.max_turn_tokens,
         max_observation_tokens=config.rollout.max_observation_tokens, **overrides,
     )

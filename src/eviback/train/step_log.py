@@ -17,7 +17,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from eviback.backoff import BackoffConfig
-from eviback.train.gauges import cpu_gauges, cpu_snapshot, peak_rss_gb, process_gauges
+from eviback.train.gauges import cpu_gauges, cpu_snapshot, gpu_gauges, peak_rss_gb, process_gauges
 from eviback.train.grpo import StepOutcome, compact_group_record, group_records, step_metrics
 from eviback.train.run import RunDir
 
@@ -74,6 +74,7 @@ class StepLog(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
         self.step_started = time.perf_counter()
         self.cpu_started = cpu_snapshot()
+        gpu_gauges()  # the peak counts from the step's start (the rollouts, the teacher and the update)
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
         if not self.main or not logs or "loss" not in logs:
@@ -90,6 +91,7 @@ class StepLog(TrainerCallback):
         record["time/update"] = max(0.0, record["time/step"] - spent)
         record["memory/peak_rss_gb"] = round(peak_rss_gb(), 3)
         record.update(process_gauges())
+        record.update(gpu_gauges())  # the step's peak GPU memory (none on a CPU run); reset for the next step
         record.update(cpu_gauges(self.cpu_started, cpu_snapshot()))  # was the machine this run's alone?
         record["run/dir_mb"] = self.run.size_mb()
         record["processes"] = self.processes
