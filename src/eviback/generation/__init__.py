@@ -32,7 +32,10 @@ class BackendConfig:
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vllm on CPU: KV cache GiB (default: $VLLM_CPU_KVCACHE_SPACE or 2)"})
     executor: str = field(default="inprocess", metadata={"help": "vllm: inprocess, multiprocess or external_launcher"})
     block_size: int | None = field(default=None, metadata={"help": "vllm: KV cache block in tokens, the prefix cache's unit (None: vLLM's default)"})
-    hf_batch_size: int = field(default=16, metadata={"help": "hf: sequences per generate call"})
+    hf_batch_size: int | None = field(default=None, metadata={"help": "hf: sequences per generate call (None: 16 on "
+                                      "the CPU, all of a call on a GPU)"})
+    hf_cache: str = field(default="auto", metadata={"help": "hf: KV cache, dynamic or static (auto: static on a GPU, "
+                          "dynamic on the CPU)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (None: the backend's default: vllm 1 while generating, hf torch's own)"})
 
     def __post_init__(self) -> None:
@@ -48,7 +51,8 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
     if config.backend == "hf":
         from eviback.generation.hf import HFBackend
 
-        return HFBackend.load(config.model, config.dtype, config.threads, config.hf_batch_size)
+        return HFBackend.load(config.model, config.dtype, config.threads, config.hf_batch_size, device=config.device,
+                              cache=config.hf_cache)
     from eviback.generation.vllm import VllmConfig, get_vllm_backend
 
     return get_vllm_backend(VllmConfig(

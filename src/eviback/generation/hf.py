@@ -66,7 +66,7 @@ class _SampledLogprobs:
 
 
 CPU_BATCH_SIZE = 16  # sequences per generate call on the CPU (a GPU takes a whole call at once)
-CACHES = ("dynamic", "static")
+CACHES = ("auto", "dynamic", "static")
 
 
 class HFBackend:
@@ -79,7 +79,9 @@ class HFBackend:
     Args:
         batch_size: sequences per `generate` call; None: 16 on the CPU, every prompt of a call on a GPU.
         threads: torch threads while generating (None: the process's setting).
-        cache: the KV cache, `dynamic` (default) or `static` (allocated once per call at its longest).
+        cache: the KV cache: `dynamic` (grown by one position per step: each step copies it) or `static`
+            (allocated once per call at its longest, written in place); `auto`: static on a GPU, dynamic on
+            the CPU (results/gpu.md measures both).
         compile: with a static cache, let transformers compile the decoding step (each new batch shape
             compiles again: pays only when the shapes repeat).
         grouped_attention: None (default): the grouped decoding attention on a GPU for models with grouped
@@ -89,20 +91,22 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model, tokenizer, batch_size: int | None = None, threads: int | None = None, *,  # noqa: ANN001
-                 cache: str = "dynamic", compile: bool = False, grouped_attention: bool | None = None) -> None:
+                 cache: str = "auto", compile: bool = False, grouped_attention: bool | None = None) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (or None: 16 on the CPU, a whole call on a GPU), got {batch_size}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for torch's setting), got {threads}")
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
-        if compile and cache != "static":
-            raise ValueError("compile=True needs cache='static' (transformers compiles the step of a static cache)")
         self.model = model
         self.threads = threads
         self.tokenizer = tokenizer
         self.accelerator = self.device.type != "cpu"
         self.batch_size = batch_size or (None if self.accelerator else CPU_BATCH_SIZE)
+        if cache == "auto":
+            cache = "static" if self.accelerator else "dynamic"
+        if compile and cache != "static":
+            raise ValueError("compile=True needs cache='static' (transformers compiles the step of a static cache)")
         self.cache = cache
         self.compile = compile
         if grouped_attention is None:
