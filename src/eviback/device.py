@@ -165,6 +165,23 @@ def place(device: str | Placement = AUTO, dtype: str = dtypes.AUTO) -> Placement
     return placement
 
 
+def pin_trainer(args: Any, placement: Placement) -> None:
+    """Make a transformers trainer of one process compute on the placement's GPU.
+
+    In one process (no torchrun / accelerate launch) `TrainingArguments` takes cuda:0 whatever
+    `torch.cuda.set_device` said, and every visible GPU (it wraps the model in `nn.DataParallel` when it sees
+    more than one); the placement is one GPU. Its device and GPU count are pinned to the placement, and the
+    current CUDA device put back to the placement's (the accelerator the trainer builds computes on the
+    current one). A launched run (several processes) is left as the launcher set it up."""
+    if not placement.accelerator or args.world_size > 1:
+        return
+    import torch
+
+    args.__dict__["_setup_devices"] = placement.torch_device  # the cached value of `args.device`
+    args._n_gpu = 1
+    torch.cuda.set_device(placement.torch_device)
+
+
 # --------------------------------------------------------------------------------------------------
 # What went where, in this process
 

@@ -28,9 +28,15 @@ class ControllerConfig:
     http: HttpBackendConfig = field(default_factory=lambda: HttpBackendConfig(structured_output=StructuredOutput.NONE))
     local_model: str = "smollm2-135m"  # a bundled name or a local HF checkpoint directory
     dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32 (eviback.dtype)
+    # where the local model computes: auto (the local GPU when there is one, else the CPU), cpu, cuda or
+    # cuda:N (eviback.device)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        from eviback.device import check_device
+
         object.__setattr__(self, "kind", ControllerKind(self.kind))
+        check_device(self.device, what="controller device")
         if self.http.structured_output is not StructuredOutput.NONE:
             # the controller writes free JSON: a stage reply schema would constrain it to nothing useful
             object.__setattr__(self, "http", dataclasses.replace(self.http, structured_output=StructuredOutput.NONE))

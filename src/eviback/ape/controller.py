@@ -254,19 +254,22 @@ class LocalChatClient:
     The model writes the proposal itself. A trailing assistant message is a prefill (a reply skeleton that
     leaves a JSON string open): generation continues it and stops at the string's closing quote, and the
     reply is that string's text. Sampling is seeded per request (`seed` + sample index); calls are
-    serialised (one model)."""
+    serialised (one model). The model is loaded onto `device` (a setting, see :data:`eviback.device.HELP`)
+    unless a loaded one is shared (`model`, `tokenizer`); the prompt follows the model, wherever it is."""
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "auto", *, model=None,  # noqa: ANN001
-                 tokenizer=None) -> None:
-        from eviback.dtype import resolve
+                 tokenizer=None, device: str = "auto") -> None:
+        from eviback.device import place
         from eviback.policy import load_model, load_tokenizer
 
+        placement = place(device, dtype)  # the dtype `auto` means on the device it runs on
         self.model_name = model_name
-        self.dtype = dtype = resolve(dtype)
+        self.dtype = dtype = placement.dtype
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_name, dtype)
-        self.model = model if model is not None else load_model(model_name, dtype)
+        self.model = model if model is not None else load_model(model_name, dtype, device=placement,
+                                                                what="APE controller")
         self._lock = threading.Lock()
 
     @property
@@ -284,7 +287,7 @@ class LocalChatClient:
         if messages and messages[-1]["role"] == "assistant":
             prefill = messages.pop()["content"]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + prefill
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(self.model.device)
         decoding = request.decoding
         with self._lock, torch.inference_mode():
             torch.manual_seed(request.seed if request.seed is not None else request.sample_index)
@@ -294,7 +297,7 @@ class LocalChatClient:
                 top_p=decoding.top_p if decoding.temperature > 0 else None, top_k=None,
                 pad_token_id=self.tokenizer.pad_token_id,
                 stop_strings=['"'] if prefill else None, tokenizer=self.tokenizer if prefill else None)
-        new = out[0, ids.shape[1]:]
+        new = out[0, ids.shape[1]:].cpu()
         reply = self.tokenizer.decode(new, skip_special_tokens=True)
         if prefill:
             # the prefill leaves a JSON string open: its value ends at the first unescaped quote

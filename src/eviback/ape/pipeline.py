@@ -160,8 +160,10 @@ class ApeRun:
             if c.kind is ControllerKind.LOCAL:
                 shared = self.client if self.config.teacher.backend is Backend.LOCAL else None
                 same = shared is not None and self.config.teacher.local.model == c.local_model and \
-                    resolve_dtype(self.config.teacher.local.dtype) == resolve_dtype(c.dtype)
-                chat = LocalChatClient(c.local_model, c.dtype, model=shared.model if same else None,  # type: ignore[union-attr]
+                    resolve_dtype(self.config.teacher.local.dtype) == resolve_dtype(c.dtype) and \
+                    self.config.teacher.local.device == c.device
+                chat = LocalChatClient(c.local_model, c.dtype, device=c.device,
+                                       model=shared.model if same else None,  # type: ignore[union-attr]
                                        tokenizer=shared.tokenizer if same else None)  # type: ignore[union-attr]
             else:
                 from eviback.teacher.openai_http import OpenAIChatClient

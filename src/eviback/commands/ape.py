@@ -29,6 +29,8 @@ HELP = "construct the teacher policy from constraints (E2E-APE) and freeze the w
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback import device as devices
+
     parser.add_argument("dumps", nargs="*", help="the actor's rollout dumps on training questions (a training run's "
                                                   "rollouts/step-<N>.jsonl.gz, or JSONL trajectories)")
     parser.add_argument("--out", help="run directory (rerun with the same --out to resume)")
@@ -52,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     teacher.add_argument("--local-model", default="smollm2-135m", help="model of the local backends")
     teacher.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
                          help="dtype of the local backends' model (auto: bf16 where native, else fp32)")
+    teacher.add_argument("--device", default="auto",
+                         help="the local backends' model (teacher and controller): " + devices.HELP
+                              + " (default: %(default)s)")
     teacher.add_argument("--threads", type=int, help="torch threads of the local backends")
     teacher.add_argument("--concurrency", type=int, default=8, help="rollouts judged at once (default 8)")
     teacher.add_argument("--max-attempts", type=int, default=3, help="attempts per stage call (default 3)")
@@ -119,7 +124,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
         backend=args.backend,
         http=HttpBackendConfig(base_url=args.base_url, model=args.model, structured_output=args.structured_output,
                                timeout_s=args.timeout, max_connections=max(args.concurrency, 1)),
-        local=LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads),
+        local=LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads,
+                                 device=args.device),
         judge=JudgeConfig(concurrency=args.concurrency, retry=RetryConfig(max_attempts=args.max_attempts)),
         cache="",  # the run's own cache (ApeConfig.cache) is used
     )
@@ -128,6 +134,6 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
         http=HttpBackendConfig(base_url=args.controller_base_url, model=args.controller_model,
                                api_key_env=args.controller_api_key_env, structured_output="none",
                                timeout_s=args.timeout),
-        local_model=args.local_model, dtype=args.dtype)
+        local_model=args.local_model, dtype=args.dtype, device=args.device)
     return ApeConfig(out=args.out, dumps=tuple(args.dumps), suite=args.suite, teacher=teacher,
                      controller=controller, cache=args.cache)

@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{fields['unit']['help']} (default: %(default)s)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype,
                         help=f"{fields['dtype']['help']} (default: %(default)s)")
+    parser.add_argument("--device", default=d.device, help=f"{fields['device']['help']} (default: %(default)s)")
     parser.add_argument("--base-model", default="", help=fields["base_model"]["help"])
     parser.add_argument("--threads", type=int, default=None, help=fields["threads"]["help"])
     parser.add_argument("--output", default="", metavar="DIR", help=fields["output"]["help"])
@@ -55,7 +56,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJud
 
     return EvidenceJudgeConfig(
         data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts), unit=args.unit,
-        threshold=args.threshold, dtype=args.dtype,
+        threshold=args.threshold, dtype=args.dtype, device=args.device,
         max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
         passages_per_question=args.passages_per_question, balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
         max_length=args.max_length, epochs=args.epochs, batch_size=args.batch_size,

@@ -3,6 +3,7 @@
   eviback index CORPUS --out DIR                       BM25 (bm25s), seconds for 100k passages
   eviback index CORPUS --out DIR --kind dense          sentence-transformers + FAISS (all-MiniLM-L6-v2)
   eviback index CORPUS --out DIR --kind dense --model PATH --query-prefix 'query: ' --passage-prefix 'passage: '
+  eviback index CORPUS --out DIR --kind dense --device cpu    the encoder on the CPU (default auto: the local GPU)
   eviback index import-faiss FLAT_INDEX CORPUS --out DIR --model PATH
                                                        an existing FAISS flat index (Search-R1's e5_Flat.index)
                                                        in bounded RAM: `eviback index import-faiss --help`

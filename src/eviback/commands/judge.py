@@ -24,6 +24,8 @@ HELP = "judge rollouts with the evidence-constrained teacher; list, show and fre
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback import device as devices
+
     parser.add_argument("dump", nargs="?", help="JSONL of trajectories (or records with a 'trajectory' key)")
     parser.add_argument("--policy", default="two-stage",
                         help="built-in name or frozen policy file, optionally @VERSION (default: two-stage)")
@@ -52,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     backend.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
                          help="dtype of the local backend's model (auto: bf16 where native, else fp32)")
     backend.add_argument("--threads", type=int, help="torch threads of the local backend")
+    backend.add_argument("--device", default="auto",
+                         help="the local backend's model: " + devices.HELP + " (default: %(default)s)")
     run = parser.add_argument_group("judging")
     run.add_argument("--concurrency", type=int, default=8, help="rollouts judged at once (default 8)")
     run.add_argument("--max-attempts", type=int, default=3, help="attempts per stage call (default 3)")
@@ -103,7 +107,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - a TeacherConfig
         http=HttpBackendConfig(base_url=args.base_url, model=args.model, api_key_env=args.api_key_env,
                                structured_output=args.structured_output, timeout_s=args.timeout,
                                max_connections=max(args.concurrency, 1)),
-        local=LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads),
+        local=LocalBackendConfig(model=args.local_model, dtype=args.dtype, threads=args.threads,
+                                 device=args.device),
         judge=JudgeConfig(concurrency=args.concurrency,
                           retry=RetryConfig(max_attempts=args.max_attempts, backoff_s=args.backoff)),
         cache="" if args.no_cache else (args.cache or DEFAULT_CACHE),

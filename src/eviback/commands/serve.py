@@ -5,6 +5,7 @@
   eviback serve INDEX_DIR                       an index of `eviback index import-faiss` (Search-R1's e5 index)
   eviback serve                                 the embedded suite's corpus (BM25, built once and cached)
   eviback serve --suite DATA_DIR --kind dense   a data suite's corpus, dense
+  eviback serve INDEX_DIR --device cpu          the query encoder on the CPU (default auto: the local GPU)
 
   curl -s localhost:8000/retrieve -d '{"queries": ["who wrote hamlet"], "topk": 3, "return_scores": true}'
 
@@ -21,6 +22,7 @@ HELP = "serve an index as a Search-R1-compatible /retrieve HTTP service"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback import device as devices
     from eviback.retrieval.config import BUILD_KINDS, ServerConfig, add_config_arguments
 
     parser.add_argument("index", nargs="?", help="index directory (default: the data suite's corpus, see --suite)")
@@ -28,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "(default: the embedded suite)")
     parser.add_argument("--kind", choices=[k.value for k in BUILD_KINDS], default="bm25",
                         help="index kind to build for --suite (default: bm25)")
+    parser.add_argument("--device", default="auto",
+                        help="the query encoder of a dense or imported index: " + devices.HELP
+                             + " (default: %(default)s)")
     add_config_arguments(parser.add_argument_group("service"), ServerConfig)
 
 
@@ -35,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
     # OpenMP threads (FAISS's, torch's) that spin while idle steal the cores of a small or shared machine:
     # measured 4x slower FAISS searches on 2 busy cores. Read when the runtimes load, so set first.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from eviback import device as devices
+
+    if devices.check_device(args.device) != devices.AUTO:
+        # The index is loaded as its manifest says, with the encoder placed by `auto`; this process serves
+        # that one index, so `auto` is made to mean the device asked for (as $EVIBACK_DEVICE would)
+        os.environ[devices.ENV_VAR] = args.device
     from eviback.data import load_suite
     from eviback.retrieval import ServerConfig, load_index, read_manifest, suite_retriever
     from eviback.retrieval.config import config_from_arguments

@@ -22,6 +22,7 @@ HELP = "warm-start SFT on protocol trajectories built from training questions (c
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eviback import device as devices
     from eviback.train.sft import WarmStartConfig
 
     d = WarmStartConfig()
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype,
                         help="compute dtype; bfloat16 keeps an fp32 master copy; auto: bf16 where the device "
                              "computes it natively, else fp32 (default: %(default)s)")
+    parser.add_argument("--device", default=d.device, help=devices.HELP + "; not in the cache key (default: "
+                        "%(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
     parser.add_argument("--output", default=None, metavar="DIR", help="save here instead of the cache")
@@ -65,7 +68,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - a WarmStartCon
         model=args.model, data=args.data, train_files=list(args.train_files), retriever=args.retriever,
         max_examples=args.max_examples, multi_search_share=args.multi_search_share,
         max_obs_tokens=args.max_obs_tokens, epochs=args.epochs, learning_rate=args.lr,
-        batch_size=args.batch_size, gradient_accumulation=args.grad_accum, dtype=args.dtype, seed=args.seed,
+        batch_size=args.batch_size, gradient_accumulation=args.grad_accum, dtype=args.dtype, device=args.device,
+        seed=args.seed,
         threads=args.threads, output=args.output, force=args.force, progress=not args.no_progress,
     )
     types = field_types(WarmStartConfig)

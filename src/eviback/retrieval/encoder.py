@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from eviback.device import Placement, place, record
+
 
 class QueryEncoder(Protocol):
     """What an imported index needs to turn queries into vectors: `dim` and `encode(texts)`, shape
@@ -48,10 +50,13 @@ def model_dimension(model: str | os.PathLike) -> int:
 class E5QueryEncoder:
     """A local Hugging Face encoder used the e5 way: prefix, mean pooling (or CLS), L2 normalisation.
 
+    Runs in float32 on `device` (a setting, see :data:`eviback.device.HELP`; default auto: the local GPU when
+    there is one); each batch of tokens is put on the model's device and the vectors come back to the CPU.
     Thread-safe (a lock around tokenisation and the forward pass: a fast tokenizer refuses concurrent use)."""
 
     def __init__(self, model: str | os.PathLike, *, prefix: str = "query: ", pooling: str = "mean",
-                 max_length: int = 256, normalize: bool = True, batch_size: int = 64) -> None:
+                 max_length: int = 256, normalize: bool = True, batch_size: int = 64,
+                 device: str | Placement = "auto") -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a path must never turn into a download attempt
@@ -63,7 +68,11 @@ class E5QueryEncoder:
         self.normalize, self.batch_size = normalize, batch_size
         self._torch = torch
         self._tokenizer = AutoTokenizer.from_pretrained(str(model))
-        self._model: Any = AutoModel.from_pretrained(str(model), dtype=torch.float32).eval()
+        # float32 on every device: the query vectors must be the arithmetic the index's vectors were made with
+        placement = place(device, "float32")
+        self._model: Any = AutoModel.from_pretrained(str(model), dtype=torch.float32).to(placement.torch_device)
+        self._model.eval()
+        record("dense encoder", self._model, placement)
         self._lock = threading.Lock()
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
@@ -73,7 +82,7 @@ class E5QueryEncoder:
             for start in range(0, len(texts), self.batch_size):
                 batch = [self.prefix + text for text in texts[start:start + self.batch_size]]
                 tokens = self._tokenizer(batch, padding=True, truncation=True, max_length=self.max_length,
-                                         return_tensors="pt")
+                                         return_tensors="pt").to(self._model.device)
                 hidden = self._model(**tokens).last_hidden_state
                 if self.pooling == "mean":
                     mask = tokens["attention_mask"].unsqueeze(-1).to(hidden.dtype)
@@ -82,7 +91,7 @@ class E5QueryEncoder:
                     pooled = hidden[:, 0]
                 if self.normalize:
                     pooled = torch.nn.functional.normalize(pooled, dim=-1)
-                parts.append(pooled.float().numpy())
+                parts.append(pooled.float().cpu().numpy())
         if not parts:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)

@@ -73,7 +73,9 @@ def build_teacher(
         from eviback.teacher.openai_http import OpenAIChatClient
 
         client = OpenAIChatClient(config.http)
-    return Teacher(policy, client, config.judge, cache=open_cache(config.cache), owns_resources=True)
+    # a stage with a model of its own (the trained evidence judge) computes where the local backend does
+    return Teacher(policy, client, config.judge, cache=open_cache(config.cache), owns_resources=True,
+                   device=config.local.device)
 
 
 def register_judge_beside(ref: str) -> None:

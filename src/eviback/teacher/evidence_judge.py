@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from eviback.device import Placement, place, record
 from eviback.teacher.chat import ChatReply, ChatRequest, PermanentError
 from eviback.teacher.policy import (
     CLASSIFIER_PREFIX,
@@ -129,11 +130,12 @@ class EvidenceJudgeClient:
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
-    def __init__(self, directory: str | os.PathLike, sha256: str | None = None, dtype: str = "auto") -> None:
-        """`dtype`: the inference dtype (auto: bf16 where the device computes it natively, else fp32)."""
+    def __init__(self, directory: str | os.PathLike, sha256: str | None = None, dtype: str = "auto",
+                 device: str | Placement = "auto") -> None:
+        """`dtype`: the inference dtype (auto: bf16 where the device computes it natively, else fp32). `device`:
+        where the model computes (a setting, see :data:`eviback.device.HELP`, or a resolved placement); its
+        inputs follow it."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from eviback.dtype import torch_dtype
 
         self.directory = Path(directory)
         actual = model_sha256(self.directory)
@@ -147,8 +149,12 @@ class EvidenceJudgeClient:
         self.unit = doc.get("unit", UNIT_EVIDENCE)
         self.threshold = float(doc.get("threshold", 0.5))
         self.tokenizer = AutoTokenizer.from_pretrained(self.directory)
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.directory, dtype=torch_dtype(dtype))
+        self.placement = place(device, dtype)
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.directory,
+                                                                        dtype=self.placement.torch_dtype)
+        self.model.to(self.placement.torch_device)
         self.model.eval()
+        record("evidence judge", self.model, self.placement)
         self._lock = threading.Lock()
 
     @property
@@ -167,7 +173,8 @@ class EvidenceJudgeClient:
         with self._lock, torch.inference_mode():
             for at in range(0, len(pairs), batch_size):
                 chunk = pairs[at: at + batch_size]
-                inputs = encode_pairs(self.tokenizer, [q for q, _ in chunk], [e for _, e in chunk], self.max_length)
+                inputs = encode_pairs(self.tokenizer, [q for q, _ in chunk], [e for _, e in chunk],
+                                      self.max_length).to(self.model.device)
                 out += torch.softmax(self.model(**inputs).logits.float(), dim=-1).tolist()
         return out
 
@@ -216,8 +223,8 @@ def judge_policy(sha256: str, base: TeacherPolicy | None = None) -> TeacherPolic
                     f"cross-encoder over the question and the evidence as the actor saw it); later stages unchanged.")
 
 
-# Loaded judges by sha256 (one model in memory however many teachers use it), and known directories.
-_LOADED: dict[str, EvidenceJudgeClient] = {}
+# Loaded judges by sha256 and device (one model per device however many teachers use it), and known directories.
+_LOADED: dict[tuple[str, str], EvidenceJudgeClient] = {}  # by (sha256, device)
 _DIRECTORIES: dict[str, Path] = {}
 _LOADED_LOCK = threading.Lock()
 
@@ -244,17 +251,20 @@ def find_judge(sha256: str) -> Path:
                             f"`eviback build-judge` (the same inputs give the same judge), or copy its directory there")
 
 
-def open_classifier(backend: str) -> EvidenceJudgeClient:
-    """The client of a classifier stage backend (`evidence-judge:<sha256>`), loaded once per process."""
+def open_classifier(backend: str, device: str | Placement = "auto") -> EvidenceJudgeClient:
+    """The client of a classifier stage backend (`evidence-judge:<sha256>`) on `device`, loaded once per
+    process and device."""
     if not backend.startswith(CLASSIFIER_PREFIX):
         raise ValueError(f"{backend!r} is not a classifier backend ('{CLASSIFIER_PREFIX}<sha256>')")
     sha = backend[len(CLASSIFIER_PREFIX):]
+    placement = place(device)
+    key = (sha, placement.device)
     with _LOADED_LOCK:
-        if sha in _LOADED:
-            return _LOADED[sha]
-    client = EvidenceJudgeClient(find_judge(sha), sha)
+        if key in _LOADED:
+            return _LOADED[key]
+    client = EvidenceJudgeClient(find_judge(sha), sha, device=placement)
     with _LOADED_LOCK:
-        return _LOADED.setdefault(sha, client)
+        return _LOADED.setdefault(key, client)
 
 
 def load_judge(path: str | os.PathLike) -> EvidenceJudge:

@@ -127,11 +127,13 @@ class Teacher:
         seed: int = 0,
         on_request: Callable[[ChatRequest], None] | None = None,
         owns_resources: bool = False,
+        device: str = "auto",
     ) -> None:
         """`on_request` sees every stage request before the cache is consulted (e.g. E2E-APE's canary audit:
         a cached reply is never sent again, but its request is still inspected). With `owns_resources`,
         :meth:`close` also closes the client and the cache (set by `build_teacher`); by default they are the
-        caller's, so one client and one cache can serve many teachers (e.g. E2E-APE's candidates)."""
+        caller's, so one client and one cache can serve many teachers (e.g. E2E-APE's candidates). `device`:
+        where a stage's own model (a trained evidence judge) computes (`eviback.device`)."""
         self.owns_resources = owns_resources
         self.policy = policy
         self.client = client
@@ -155,7 +157,7 @@ class Teacher:
             elif stage.is_classifier:
                 from eviback.teacher.evidence_judge import open_classifier
 
-                self.stage_clients[stage.name] = open_classifier(stage.backend)
+                self.stage_clients[stage.name] = open_classifier(stage.backend, device)
 
     # ----------------------------------------------------------------------------------------------
 

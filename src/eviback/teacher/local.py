@@ -35,6 +35,14 @@ class LocalBackendConfig:
     # torch intra-op threads, process-wide; None leaves torch's setting. On a busy small machine 1 can be an
     # order of magnitude faster than 2 (OpenMP threads spinning against other processes).
     threads: int | None = None
+    # where the model computes: auto (the local GPU when there is one, else the CPU), cpu, cuda or cuda:N
+    # (eviback.device); the reply does not depend on it beyond the arithmetic of the device's kernels
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        from eviback.device import check_device
+
+        check_device(self.device, what="local teacher device")
 
 
 # Upper bound on the tokens of one field's JSON skeleton (`{"status": "`, the label, the closing quote).
@@ -45,20 +53,22 @@ class LocalClient:
     """A :class:`~eviback.teacher.chat.TeacherClient` on an in-process transformers model.
 
     Pass `model` and `tokenizer` to share an already loaded model (e.g. with a trainer); otherwise they are
-    loaded from `config`."""
+    loaded from `config`, onto `config.device`. Every tensor given to the model is put where the model is."""
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
     def __init__(self, config: LocalBackendConfig = LocalBackendConfig(), *, model=None, tokenizer=None) -> None:  # noqa: ANN001
         import dataclasses
 
-        from eviback.dtype import resolve
+        from eviback.device import place
         from eviback.policy import load_model, load_tokenizer, set_threads
 
-        self.config = config = dataclasses.replace(config, dtype=resolve(config.dtype))
+        placement = place(config.device, config.dtype)  # the dtype `auto` means on the device it runs on
+        self.config = config = dataclasses.replace(config, dtype=placement.dtype)
         set_threads(config.threads)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model, config.dtype)
-        self.model = model if model is not None else load_model(config.model, config.dtype, config.threads)
+        self.model = model if model is not None else load_model(config.model, config.dtype, config.threads,
+                                                                device=placement, what="local teacher")
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +115,8 @@ class LocalClient:
         import torch
 
         with self._lock, torch.inference_mode():
+            # sampling draws on the CPU (the logits are brought there): the same seed gives the same reply on
+            # every device
             generator = torch.Generator().manual_seed(self._seed(request))
             state = _Continuation(self.model, prompt_ids)
             prompt_tokens = len(state.ids)
@@ -148,7 +160,7 @@ class LocalClient:
         eos = self.tokenizer.eos_token_id
         produced: list[int] = []
         for _ in range(budget):
-            logits = state.next_logits().float()
+            logits = state.next_logits().float().cpu()  # the seeded generator is a CPU one
             if temperature == 0:
                 token = int(logits.argmax())
             else:
@@ -171,27 +183,30 @@ class LocalClient:
 
 
 class _Continuation:
-    """A token sequence with its KV cache, extendable, for scoring and greedy decoding."""
+    """A token sequence with its KV cache, extendable, for scoring and greedy decoding. The ids run through
+    the model are put on the model's device."""
 
     def __init__(self, model, prompt_ids: list[int]) -> None:  # noqa: ANN001
-        import torch
-
         self.model = model
+        self.device = getattr(model, "device", None)  # a transformers model's; None: torch's default (a fake)
         self.ids: list[int] = list(prompt_ids)
-        out = model(torch.tensor([self.ids]), use_cache=True)
+        out = model(self._tensor(self.ids), use_cache=True)
         self.cache = out.past_key_values
         self._last_logits = out.logits[0, -1]
         self._pending: list[int] = []  # appended ids not yet run through the model
+
+    def _tensor(self, ids: list[int]):  # noqa: ANN202 - a (1, len(ids)) torch.LongTensor
+        import torch
+
+        return torch.tensor([ids], device=self.device)
 
     def extend(self, ids: list[int]) -> None:
         self.ids.extend(ids)
         self._pending.extend(ids)
 
     def _flush(self) -> None:
-        import torch
-
         if self._pending:
-            out = self.model(torch.tensor([self._pending]), past_key_values=self.cache, use_cache=True)
+            out = self.model(self._tensor(self._pending), past_key_values=self.cache, use_cache=True)
             self.cache = out.past_key_values
             self._last_logits = out.logits[0, -1]
             self._pending = []
@@ -207,7 +222,7 @@ class _Continuation:
         self._flush()
         total = float(torch.log_softmax(self._last_logits.float(), -1)[continuation[0]])
         if len(continuation) > 1:
-            out = self.model(torch.tensor([continuation[:-1]]), past_key_values=copy.deepcopy(self.cache),
+            out = self.model(self._tensor(continuation[:-1]), past_key_values=copy.deepcopy(self.cache),
                              use_cache=True)
             logprobs = torch.log_softmax(out.logits[0].float(), -1)
             total += float(sum(logprobs[i, t] for i, t in enumerate(continuation[1:])))

@@ -26,9 +26,10 @@ and scored against the evidence label: the gate (I vs not-I) balanced accuracy, 
 kappa are written to `judge.json`. The held-out questions' rollouts are where a judge is used: the gate
 figure on them is the one that says whether Stage A gates.
 
-**Training** fine-tunes all-MiniLM-L6-v2 with a 3-way head; matmuls in bf16 autocast where the machine
-computes bf16 natively (:mod:`eviback.dtype`), fp32 otherwise. A build with the same inputs reuses the cached
-directory (`$EVIBACK_CACHE/judges/evidence-judge-<key>`).
+**Training** fine-tunes all-MiniLM-L6-v2 with a 3-way head on `device` (auto: the local GPU when there is
+one, :mod:`eviback.device`); matmuls in bf16 autocast where that device computes bf16 natively
+(:mod:`eviback.dtype`), fp32 otherwise. A build with the same inputs reuses the cached directory
+(`$EVIBACK_CACHE/judges/evidence-judge-<key>`), wherever either was computed: the device is not in the key.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eviback import device as devices
 from eviback.teacher.evidence_judge import (
     JUDGE_FILE,
     JUDGE_FORMAT,
@@ -110,6 +112,8 @@ class EvidenceJudgeConfig:
     learning_rate: float = _help("AdamW learning rate (linear decay after a 10% warm-up)", default=1e-4)
     dtype: str = _help("training matmuls: auto (bf16 autocast where bf16 is native), bfloat16 or float32",
                        default="auto")
+    device: str = _help(devices.HELP + "; the judge trains and is scored on its held-out questions there (not in "
+                        "the cache key: a judge built on a GPU is the same judge on a CPU)", default="auto")
     seed: int = _help("seed of the example sampling and of the training", default=0)
     threads: int | None = _help("torch threads (None: torch's default)", default=None)
     output: str = _help("directory to write the judge to (default: under the eviback cache)", default="")
@@ -125,6 +129,7 @@ class EvidenceJudgeConfig:
         from eviback.dtype import check
 
         check(self.dtype, what="dtype")
+        devices.check_device(self.device)
         if not 0 < self.threshold < 1:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1)")
         if self.balance_ratio < 1:
@@ -367,17 +372,19 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from eviback import dtype as dtypes
     from eviback.policy import set_threads
 
     set_threads(config.threads)
     torch.manual_seed(config.seed)
-    compute = dtypes.resolve(config.dtype, "cpu")
+    placement = devices.place(config.device, config.dtype)
+    compute, device = placement.dtype, placement.torch_device
     base = base_model_dir(config.base_model)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForSequenceClassification.from_pretrained(
         base, num_labels=len(LABELS), id2label={i: s.value for i, s in enumerate(LABELS)},
         label2id={s.value: i for i, s in enumerate(LABELS)})
+    model.to(device)  # fp32 weights wherever it trains: see the autocast below
+    devices.record("evidence judge (training)", model, placement)
     model.train()
     index = {s: i for i, s in enumerate(LABELS)}
     order = list(range(len(train)))
@@ -390,12 +397,13 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     rng = random.Random(config.seed)
     # Labels weighted by inverse frequency: the balance within each kind of question leaves A rarer overall.
     counts = Counter(e.label for e in train)
-    weights = torch.tensor([len(train) / (len(counts) * counts[s]) if counts[s] else 0.0 for s in LABELS])
+    weights = torch.tensor([len(train) / (len(counts) * counts[s]) if counts[s] else 0.0 for s in LABELS],
+                           device=device)
     lengths = [len(tokenizer(e.question, e.evidence, truncation="only_second", max_length=config.length)
                    ["input_ids"]) for e in train]
-    # fp32 weights and optimiser; the matmuls in bf16 where the CPU computes bf16 natively (4x its fp32 on
-    # AVX512-BF16/AMX machines; emulated, it would be 30x slower, and auto then means fp32)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if compute == "bfloat16"
+    # fp32 weights and optimiser; the matmuls in bf16 where the device computes bf16 natively (a GPU with bf16;
+    # a CPU: 4x its fp32 on AVX512-BF16/AMX machines; emulated, it would be 30x slower, and auto then means fp32)
+    autocast = (torch.autocast(placement.kind, dtype=torch.bfloat16) if compute == "bfloat16"
                 else contextlib.nullcontext())
     start = time.perf_counter()
     losses = []
@@ -405,8 +413,9 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
             if step >= total:
                 break
             batch = [train[i] for i in batch_ids]
-            inputs = encode_pairs(tokenizer, [e.question for e in batch], [e.evidence for e in batch], config.length)
-            labels = torch.tensor([index[e.label] for e in batch])
+            inputs = encode_pairs(tokenizer, [e.question for e in batch], [e.evidence for e in batch],
+                                  config.length).to(device)
+            labels = torch.tensor([index[e.label] for e in batch], device=device)
             with autocast:
                 logits = model(**inputs).logits
             loss = torch.nn.functional.cross_entropy(logits.float(), labels, weight=weights)
@@ -426,7 +435,8 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return {"steps": total, "seconds": round(time.perf_counter() - start, 1), "first_loss": losses[0],
-            "last_loss": sum(losses[-20:]) / len(losses[-20:]), "base_model": base, "dtype": compute}
+            "last_loss": sum(losses[-20:]) / len(losses[-20:]), "base_model": base, "dtype": compute,
+            "device": placement.device}
 
 
 def length_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, rng: random.Random,
@@ -445,7 +455,10 @@ def length_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int
 
 
 def build_key(config: EvidenceJudgeConfig, examples: Sequence[JudgeExample]) -> str:
-    """The cache key of a build: what the judge's content depends on."""
+    """The cache key of a build: what the judge's content depends on. Not the device: a judge built on a GPU
+    is found again on a CPU and the other way round, so its dtype is named as the setting resolves on the CPU
+    (as it was before the judge could train elsewhere: judges already cached keep their keys), and the dtype
+    it actually computed in is in its judge.json (`train.dtype`, `train.device`)."""
     from eviback import dtype as dtypes
 
     base = base_model_dir(config.base_model)
@@ -497,7 +510,7 @@ def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable
                "config": dataclasses.asdict(config), "counts": counts, "train": stats}
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
         sha = model_sha256(tmp)
-        figures = heldout_figures(EvidenceJudgeClient(tmp, sha), heldout)
+        figures = heldout_figures(EvidenceJudgeClient(tmp, sha, device=config.device), heldout)
         progress("held-out training questions: " + summary_line(figures))
         doc.update(sha256=sha, heldout=figures, build_seconds=round(time.perf_counter() - start, 1))
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")

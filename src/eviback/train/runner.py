@@ -28,7 +28,7 @@ from typing import Any
 
 from eviback import dtype as dtypes
 from eviback.data import load_suite, read_training_questions
-from eviback.device import Placement, place, record
+from eviback.device import Placement, pin_trainer, place, record
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 
@@ -110,7 +110,7 @@ def initial_policy(config: TrainConfig) -> str:
         model=config.model, data=config.data, retriever=config.retriever,
         max_examples=config.warm_start_examples, topk=config.rollout.topk,
         max_obs_tokens=config.rollout.max_observation_tokens,
-        seed=config.build_seed, dtype=config.dtype,
+        seed=config.build_seed, dtype=config.dtype, device=config.device,
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
     # so that memory is given back before the engine, the trainer and the teacher load. The child saves the
@@ -183,8 +183,9 @@ def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Te
 
             judge = build_judge(EvidenceJudgeConfig(
                 data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
-                epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts), topk=config.rollout.topk, max_obs_tokens=config.rollout.max_observation_tokens,
-                seed=config.build_seed))
+                epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts), topk=config.rollout.topk,
+                max_obs_tokens=config.rollout.max_observation_tokens, seed=config.build_seed,
+                base_model=t.judge_base_model, device=config.device))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
             warn_if_uninformative(judge.path)
@@ -227,7 +228,7 @@ def teacher_config(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Te
     return TeacherConfig(
         policy=t.policy,
         backend=t.backend,
-        local=LocalBackendConfig(model=t.model, dtype=config.dtype),
+        local=LocalBackendConfig(model=t.model, dtype=config.dtype, device=config.device),
         http=HttpBackendConfig(base_url=t.url, model="" if t.model == "smollm2-135m" else t.model)
         if t.url else HttpBackendConfig(),
         judge=JudgeConfig(concurrency=t.concurrency),
@@ -467,6 +468,9 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
         bf16=precision is Precision.AUTOCAST,
         fp16=False,
         remove_unused_columns=False,
+        # The reference model only runs forward passes: on a GPU (fp32 weights under bf16 autocast, where every
+        # matmul computes in bf16 anyway) it is loaded in bf16, half the memory of the trainer's fp32 copy
+        model_init_kwargs={"dtype": "bfloat16"} if precision is Precision.AUTOCAST else None,
         gradient_checkpointing=bool(config.gradient_checkpointing if checkpointing is None else checkpointing),
         disable_tqdm=False,
     )
@@ -479,6 +483,10 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
 
     step_log = StepLog(start.run, config.backoff, keep_rollout_steps=config.keep_rollout_steps,
                        max_steps=config.max_steps, processes=start.state.num_processes, main=start.main)
+    args = trl_arguments(config, start.run.checkpoints, training.precision, start.placement.accelerator,
+                         gradient_checkpointing(config.gradient_checkpointing, start.placement.accelerator,
+                                                sum(p.numel() for p in training.model.parameters())))
+    pin_trainer(args, start.placement)  # one process: the placement's GPU, not cuda:0 and DataParallel
     trainer = EviBackTrainer(
         engine=training.engine,
         questions={q.id: q for q in training.questions},
@@ -491,9 +499,7 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
         correction=BehaviourCorrection(enabled=config.is_correction, cap=config.is_cap,
                                        mode=f"{config.is_level}_truncate"),
         model=training.model,
-        args=trl_arguments(config, start.run.checkpoints, training.precision, start.placement.accelerator,
-                           gradient_checkpointing(config.gradient_checkpointing, start.placement.accelerator,
-                                                  sum(p.numel() for p in training.model.parameters()))),
+        args=args,
         train_dataset=training_dataset(training.questions),
         processing_class=training.tokenizer,
         optimizers=(training.optimizer, None),

@@ -14,6 +14,10 @@ and vLLM load it. Next to the weights: `sft_config.json` (the resolved configura
 `sft_report.json` (example counts, training time, tokens/s, peak memory, losses) and `examples.jsonl` (the
 trajectories trained on).
 
+Device (`device`, default `auto`: the local GPU when there is one, else the CPU; see `eviback.device`): the
+trainer runs there. The device is not in the key, so a warm start is reused wherever it was trained; the
+resolved dtype is in it (`auto` resolved for the device that trains).
+
 Precision (`dtype`, default `auto`: bf16 where the device computes it natively, fp32 otherwise, see
 `eviback.dtype`): with bfloat16 the forward and backward passes run on bf16 weights (about twice as fast
 as fp32 on a CPU with bf16 instructions) while AdamW updates an fp32 master copy; pure bf16 weights lose
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
 from eviback.data import DataSuite, load_suite, read_training_questions
@@ -85,6 +90,8 @@ class WarmStartConfig:
                        "warm start), bfloat16 (with an fp32 master copy for AdamW) or float32"})
     seed: int = field(default=0, metadata={"help": "seed for example selection, data order and initialisation"})
     # ---- where and how (not in the key)
+    device: str = field(default="auto", metadata={"help": devices.HELP + " (not in the key: a warm start "
+                        "trained on a GPU is reused on a CPU and the other way round)"})
     output: str | None = field(default=None, metadata={"help": "save here instead of the cache (not in the key)"})
     force: bool = field(default=False, metadata={"help": "retrain even if a saved warm start matches (not in "
                         "the key)"})
@@ -109,11 +116,12 @@ class WarmStartConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         dtypes.check(self.dtype, allowed=("bfloat16", "float32"))  # float16 has no CPU kernels worth using
+        devices.check_device(self.device)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
 
     # Fields that do not change the trained weights, left out of the cache key.
-    NOT_IN_KEY = ("output", "force", "threads", "logging_steps", "progress")
+    NOT_IN_KEY = ("output", "force", "threads", "logging_steps", "progress", "device")
 
     def key_fields(self) -> dict[str, Any]:
         """The settings in the key, by value: a float setting given as an int (`epochs: 1` in YAML) is the
@@ -241,8 +249,10 @@ def warm_start(config: WarmStartConfig | None = None, retriever=None) -> Path:  
     `config.retriever` names is opened and closed here. Concurrent calls with the same inputs train once:
     the others wait on a file lock and then reuse the result."""
     config = config or WarmStartConfig()
-    # `auto` is resolved before the key: a bf16 and an fp32 build are different weights, never one cache entry
-    choice = dtypes.choose(config.dtype)
+    # `auto` is resolved before the key, for the device that trains: a bf16 and an fp32 build are different
+    # weights, never one cache entry (the device itself is not in the key)
+    placement = devices.place(config.device, config.dtype)
+    choice = placement.dtype_choice
     config = dataclasses.replace(config, dtype=choice.dtype)
     set_threads(config.threads)
     base_dir = resolve_model(config.model, "float32")
@@ -267,7 +277,7 @@ def warm_start(config: WarmStartConfig | None = None, retriever=None) -> Path:  
                  sum(report.considered.values()), build_seconds)
         (tmp / CONFIG_FILE).write_text(json.dumps(
             {"key": key, "base_model": base_dir, "builder_version": wsd.BUILDER_VERSION, **config.to_dict(),
-             "dtype_choice": choice.to_dict()},
+             "dtype_choice": choice.to_dict(), "placement": placement.to_dict()},
             indent=2) + "\n")
         with open(tmp / EXAMPLES_FILE, "w", encoding="utf-8") as f:
             for e in examples:
@@ -304,24 +314,29 @@ def tokenized_dataset(examples: list[wsd.WarmStartExample], tokenizer, max_obs_t
 
 def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out_dir: Path,  # noqa: ANN001
              config: WarmStartConfig) -> TrainStats:
-    """Fine-tune `base_dir` on `examples` with TRL's SFTTrainer and save the model into `out_dir`."""
+    """Fine-tune `base_dir` on `examples` with TRL's SFTTrainer on `config.device` and save the model into
+    `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     from eviback.train.precision import MasterWeightAdamW
 
+    placement = devices.place(config.device, config.dtype)
     torch.manual_seed(config.seed)
     dataset = tokenized_dataset(examples, tokenizer, config.max_obs_tokens)
-    master = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    # The models are on the device before the optimiser is made: its state (and the fp32 masters the bf16
+    # copy's gradients are added into) must be where the gradients are.
+    master = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(placement.torch_device)
     if config.dtype == "bfloat16":
-        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).to(placement.torch_device)
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=config.weight_decay)
     else:
         model = master
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
                                       fused=True)
     model.config.use_cache = False  # no KV cache during training
+    devices.record("warm start", model, placement)
 
     args = SFTConfig(
         output_dir=str(out_dir / "trainer"),
@@ -336,7 +351,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
         logging_steps=config.logging_steps,
         seed=config.seed,
         data_seed=config.seed,
-        use_cpu=True,
+        use_cpu=not placement.accelerator,
         # Precision is handled here (bf16 weights + fp32 master copy), not by autocast.
         bf16=False,
         fp16=False,
@@ -348,6 +363,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
         disable_tqdm=not config.progress,
         dataloader_num_workers=0,
     )
+    devices.pin_trainer(args, placement)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          optimizers=(optimizer, None))
     start = time.perf_counter()
