@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from eviback.train.runner import run_training, teacher_is_oracle
 
     if not args.full:
-        from eviback.dtype import choose
+        from eviback.device import place
 
         given = {item.split("=", 1)[0].strip() for item in overrides}
-        config, sized = size_for_this_machine(config, choose(config.dtype), given)
+        config, sized = size_for_this_machine(config, place(config.device, config.dtype).dtype_choice, given)
         if sized:
             print(f"eviback demo: {sized}", flush=True)
     if teacher_is_oracle(config):
