@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("peaks", "generate", "update", "eval", "train", "train-4b")
+PARTS = ("peaks", "generate", "eval", "train", "train-4b", "update")  # in this order: the most wanted first
 
 # Qwen3 shapes (hidden, layers, heads, KV heads, head_dim, MLP); tied embeddings
 SHAPES = {
@@ -82,7 +82,7 @@ class Sizes:
         self.big = "tiny" if tiny else "4B"
         self.eval_questions, self.eval_turns, self.eval_turn_tokens = (4, 1, 8) if tiny else (128, 2, 256)
         self.train_steps, self.train_questions, self.group = (1, 2, 2) if tiny else (3, 16, 5)
-        self.train_turns, self.train_turn_tokens, self.train_obs = (1, 8, 64) if tiny else (2, 200, 300)
+        self.train_turns, self.train_turn_tokens, self.train_obs = (1, 8, 64) if tiny else (2, 150, 300)
         self.judge_questions = 20 if tiny else 200
         self.big_questions, self.big_turns, self.big_turn_tokens = (2, 1, 8) if tiny else (2, 1, 400)
 
@@ -286,7 +286,7 @@ def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eviback.train.update import padding_free_logprobs, score_plan
+    from eviback.train.update import score_plan
 
     tokenizer, device = ctx["tokenizer"], ctx["device"]
     results = {}
@@ -301,19 +301,13 @@ def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
         keep = length // 2
         plan = score_plan(mask.cpu(), keep)
 
-        def step() -> None:
-            with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
-                out = padding_free_logprobs(model, ids, plan, temperature=1.0)
-            out.logps.sum().backward()
-            model.zero_grad(set_to_none=True)
-
-        step()
+        update_step(model, ids, plan, device)
         sync(device)
         reset_peak(device)
         reps = 1 if sizes.tiny else 3
         t = time.perf_counter()
         for _ in range(reps):
-            step()
+            update_step(model, ids, plan, device)
         sync(device)
         seconds = (time.perf_counter() - t) / reps
         tokens = rows * length
@@ -332,6 +326,17 @@ def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
         del model
         free(device)
     return results
+
+
+def update_step(model, ids, plan, device: str) -> None:  # noqa: ANN001
+    import torch
+
+    from eviback.train.update import padding_free_logprobs
+
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        out = padding_free_logprobs(model, ids, plan, temperature=1.0)
+    out.logps.sum().backward()
+    model.zero_grad(set_to_none=True)
 
 
 def eviback(*argv: str) -> list[str]:
@@ -373,19 +378,13 @@ def part_eval(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
         "--limit", str(sizes.eval_questions), "--max-turns", str(sizes.eval_turns),
         "--max-turn-tokens", str(sizes.eval_turn_tokens), "--out", str(out), "--overwrite", "--no-progress"), ctx)
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
-    generated = sum(_generated_tokens(i) for i in items)
+    tokenizer = ctx["tokenizer"]  # the items keep texts, not ids: the model's turns re-encoded (about the ids sampled)
+    generated = sum(len(tokenizer.encode(turn["text"], add_special_tokens=False))
+                    for i in items for turn in i["trajectory"]["turns"])
     result.update(questions=len(items), generated_tokens=generated,
                   generated_tokens_per_s=round(generated / result["wall_s"]) if generated else None,
                   placements=read_placements(out / "placements.json", ctx["device"]))
     return result
-
-
-def _generated_tokens(item: dict[str, Any]) -> int:
-    stats = item.get("stats") or {}
-    for key in ("generated_tokens", "response_tokens", "model_tokens"):
-        if key in stats:
-            return int(stats[key])
-    return 0
 
 
 def train_run(name: str, preset: str, path: Path, ctx: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -559,7 +558,7 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{fmt(r['update_s'])} | {fmt(r['teacher_s'])} | {fmt(r['rollout_tokens_per_s'])} | "
                              f"{fmt(r['cpu_s_per_step'])} | {fmt(r['gpu_peak_gb'])} | {off} |")
             else:
-                lines.append(f"| {name} | {r['wall_s']} | | | | | | {r.get('generated_tokens_per_s')} (whole command) "
+                lines.append(f"| {name} | {r['wall_s']} | | | | | | about {r.get('generated_tokens_per_s')} (whole command) "
                              f"| {r['cpu_s']} (whole command) | | {off} |")
         lines.append("")
     if report["failed"]:
@@ -579,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="directory for gpu.json and the runs' logs (default: a temporary one)")
     parser.add_argument("--md", default=None, help="markdown summary (default: results/gpu.md; --tiny: OUT/gpu.md)")
     parser.add_argument("--budget-s", type=float, default=None, help="start no new part after this many seconds")
-    parser.add_argument("--timeout-s", type=float, default=420, help="longest one subprocess run may take")
+    parser.add_argument("--timeout-s", type=float, default=300, help="longest one subprocess run may take")
     parser.add_argument("--tokenizer", help="a saved tokenizer directory (default: the bundled SmolLM2's)")
     parser.add_argument("--judge-base", help="the evidence judge's encoder directory (default: the bundled MiniLM)")
     parser.add_argument("--judge-tokenizer", help="a BERT tokenizer directory: the judge's encoder is then random")
