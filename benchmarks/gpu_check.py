@@ -637,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         progress(f"{part} done in {time.perf_counter() - t:.0f} s")
         free(device)
+        report["wall_s"] = time.perf_counter() - _started
+        (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")  # so far: a killed check keeps its parts
     report["wall_s"] = time.perf_counter() - _started
     (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
     md_path = Path(args.md) if args.md else (out / "gpu.md" if args.tiny else ROOT / "results" / "gpu.md")
