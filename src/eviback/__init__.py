@@ -10,4 +10,11 @@ The package reads top-down as the method does:
 - `train`: warm-start SFT and GRPO on TRL; `ape`: E2E-APE, building the teacher policy automatically.
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# `datasets` (under TRL) imports JAX where it is installed, and JAX takes 75% of a GPU's memory the moment it
+# starts. On a GPU machine with JAX, that left a 4B training step 33 GB of a 141 GB H200 and it ran out of
+# memory (results/gpu.md); eviback never computes with JAX, so it allocates on demand (a user's setting wins).
+_os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{fields['dtype']['help']} (default: %(default)s)")
     parser.add_argument("--device", default=d.device, help=f"{fields['device']['help']} (default: %(default)s)")
     parser.add_argument("--base-model", default="", help=fields["base_model"]["help"])
+    parser.add_argument("--actor-model", default=d.actor_model, help=f"{fields['actor_model']['help']} (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help=fields["threads"]["help"])
     parser.add_argument("--output", default="", metavar="DIR", help=fields["output"]["help"])
     parser.add_argument("--force", action="store_true", help=fields["force"]["help"])
@@ -59,6 +60,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJud
         threshold=args.threshold, dtype=args.dtype, device=args.device,
         max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
         passages_per_question=args.passages_per_question, balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
+        actor_model=args.actor_model,
         max_length=args.max_length, epochs=args.epochs, batch_size=args.batch_size,
         learning_rate=args.learning_rate, seed=args.seed, threads=args.threads, output=args.output,
         force=args.force)

@@ -68,6 +68,7 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
         kv_cache_gib=config.kv_cache_gib,
         executor=config.executor,
         block_size=config.block_size,
+        device=config.device,
         **({"threads": config.threads} if config.threads is not None else {}),
     ))
 

@@ -82,7 +82,21 @@ class GenerationBackend(Protocol):
     calls reproducible (the same prompts in the same order give the same samples) and never touches the
     process's global RNG (see :class:`SamplerRNG`). `update_weights`
     loads new policy weights without restarting the engine and invalidates any cache computed with the
-    old ones. `max_context` is the longest prompt + completion the backend accepts."""
+    old ones. `max_context` is the longest prompt + completion the backend accepts.
+
+    Optional (call them through :func:`sleep_backend` / :func:`wake_backend`, which skip a backend without
+    them): `sleep()` frees the accelerator memory the engine holds between rollouts (its KV cache, and
+    its weights where the engine can take them back from the next `update_weights`), so that a trainer
+    sharing the GPU can use it for its update; `wake()` makes the engine ready to generate again and
+    drops any prefix cache. A training step calls them in this order:
+
+        rollouts (generate ...) -> sleep() -> optimiser step -> update_weights(new) -> wake() -> rollouts
+
+    Both are idempotent, and no-ops where there is nothing to free (the CPU, an engine without sleep
+    mode). A sleeping engine's `update_weights` wakes only the weights it loads into, so the KV cache
+    comes back after the new weights are in (no peak with both); `generate` on a sleeping engine wakes
+    it itself. An engine that discarded its weights in `sleep()` refuses to `generate` until
+    `update_weights` has given it new ones."""
 
     name: str
     tokenizer: object
@@ -102,15 +116,20 @@ class GenerationBackend(Protocol):
 class SamplerRNG:
     """The random stream a backend samples from, kept apart from the process's global torch RNG.
 
-    In-process engines (vLLM's CPU sampler, HF `generate`) draw from torch's default generator. A trainer
-    sharing the process draws from it too (data order, dropout), so a backend that called
-    `torch.manual_seed` on every rollout would reset the trainer's stream each step. Instead, the
-    backend's own state is swapped in for the duration of each `generate` call (:meth:`active`) and
-    swapped out after it: the global stream continues exactly as if no rollout had happened, and
-    `reseed(seed)` makes the following calls reproducible."""
+    In-process engines (vLLM's CPU sampler, HF `generate`) draw from torch's default generator; on a CUDA
+    device they draw from that device's default CUDA generator. A trainer sharing the process draws from
+    them too (data order, dropout), so a backend that called `torch.manual_seed` on every rollout would
+    reset the trainer's stream each step. Instead, the backend's own state is swapped in for the duration
+    of each `generate` call (:meth:`active`) and swapped out after it: the global stream continues
+    exactly as if no rollout had happened, and `reseed(seed)` makes the following calls reproducible.
 
-    def __init__(self, seed: int = 0) -> None:
+    `cuda_device` (an index) adds that GPU's default generator to the swapped state, for an engine that
+    samples on it; None: the CPU generator only."""
+
+    def __init__(self, seed: int = 0, cuda_device: int | None = None) -> None:
         self._state = None
+        self._cuda_state = None
+        self.cuda_device = cuda_device
         self.reseed(seed)
 
     def reseed(self, seed: int) -> None:
@@ -120,6 +139,15 @@ class SamplerRNG:
         torch.manual_seed(seed)
         self._state = torch.get_rng_state()
         torch.set_rng_state(saved)
+        if self.cuda_device is not None:
+            self._cuda_state = self._fresh_cuda_state(seed)
+
+    def _fresh_cuda_state(self, seed: int):  # noqa: ANN202 - a torch.ByteTensor
+        """The state of a CUDA generator seeded with `seed`, made on a generator of its own (the device's
+        default generator is not touched)."""
+        import torch
+
+        return torch.Generator(device=f"cuda:{self.cuda_device}").manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -128,11 +156,34 @@ class SamplerRNG:
 
         saved = torch.get_rng_state()
         torch.set_rng_state(self._state)
+        cuda = self.cuda_device
+        if cuda is not None:
+            saved_cuda = torch.cuda.get_rng_state(cuda)
+            torch.cuda.set_rng_state(self._cuda_state, cuda)
         try:
             yield
         finally:
+            if cuda is not None:
+                self._cuda_state = torch.cuda.get_rng_state(cuda)
+                torch.cuda.set_rng_state(saved_cuda, cuda)
             self._state = torch.get_rng_state()
             torch.set_rng_state(saved)
+
+
+def sleep_backend(backend: object) -> None:
+    """Put `backend` to sleep (free its accelerator memory until the next rollout) if it can sleep; a
+    backend without `sleep()` is left as it is. See :class:`GenerationBackend` for the order of calls."""
+    sleep = getattr(backend, "sleep", None)
+    if callable(sleep):
+        sleep()
+
+
+def wake_backend(backend: object) -> None:
+    """Make `backend` ready to generate (after :func:`sleep_backend` and the weight push) if it can sleep;
+    a backend without `wake()` is left as it is."""
+    wake = getattr(backend, "wake", None)
+    if callable(wake):
+        wake()
 
 
 def iter_weights(

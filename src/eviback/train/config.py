@@ -164,7 +164,9 @@ class TrainConfig:
     loss_type: str = field(default="dapo", metadata={"help": "TRL's loss aggregation (not the baseline mode): "
                            "dapo = token mean over the batch (Search-R1/verl's token-mean), grpo, bnpo, dr_grpo"})
     max_steps: int = field(default=20, metadata={"help": "optimisation steps"})
-    save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps (resume point)"})
+    save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps and at the last (resume points); "
+                            "0: no checkpoint at all (a run that cannot be resumed; the final policy is still "
+                            "saved): a 4B model's checkpoint holds 48 GB of weights and optimiser state"})
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
     micro_batch_rows: int = field(default=0, metadata={"help": "rollouts per forward/backward pass of the update "
                                   "(0: 1 on CPU, one group of G on GPU); fewer rows, less activation memory, same "
@@ -205,9 +207,11 @@ class TrainConfig:
         rollout = self.rollout
         if rollout.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {rollout.group_size}")
-        for name in ("questions_per_step", "max_steps", "save_steps"):
+        for name in ("questions_per_step", "max_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_steps < 0:
+            raise ValueError(f"save_steps must be >= 1 (or 0: no checkpoints), got {self.save_steps}")
         expected = context_tokens(rollout.max_turns, rollout.max_turn_tokens, rollout.max_observation_tokens)
         if rollout.max_context_tokens != expected or not rollout.logprobs:
             raise ValueError(f"the rollout section of a training config bounds the context by its settings "

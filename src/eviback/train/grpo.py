@@ -54,6 +54,7 @@ from eviback.backoff import (
     needs_teacher,
     summarize,
 )
+from eviback.generation.base import sleep_backend, wake_backend
 from eviback.metrics import exact_match, f1_score
 from eviback.protocol import build_prompt
 from eviback.rollout import RolloutBatch, RolloutEngine
@@ -192,7 +193,9 @@ class EviBackTrainer(GRPOTrainer):
 
     def _sync_weights(self) -> None:
         """Push the policy into the generation engine once per optimiser step (on-policy rollouts)."""
-        if not self.push_weights or self._weights_step == self.state.global_step:
+        # a vLLM engine whose weights were discarded by its sleep (level 2) is owed a push even within a step
+        discarded = getattr(self.engine.backend, "weights_discarded", False)
+        if not self.push_weights or (self._weights_step == self.state.global_step and not discarded):
             return
         t0 = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
@@ -206,8 +209,11 @@ class EviBackTrainer(GRPOTrainer):
             raise RuntimeError(f"TRL passed {len(prompts)} prompts for {len(self._pending)} groups of "
                                f"{group_size}; this adapter is written for trl==1.16.0")
         self._sync_weights()  # TRL has called it through `_EngineSync` already; this is a no-op then
+        wake_backend(self.engine.backend)  # vLLM on a GPU: its KV cache back (a no-op elsewhere)
         seed = self.rollout_seed * 1_000_003 + self.state.global_step * 97 + self.accelerator.process_index
         self._batch = batch = self.engine.rollout(self._pending, seed=seed)  # groups of the engine's group_size
+        # vLLM on a GPU: its memory back to the trainer before the reference pass and the update need it
+        sleep_backend(self.engine.backend)
         rows: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "em": []}
         for trajectory in batch.trajectories:
             tokens = trajectory.tokens

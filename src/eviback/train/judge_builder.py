@@ -96,6 +96,8 @@ class EvidenceJudgeConfig:
     max_questions: int = _help("training questions used (0: all)", default=0)
     topk: int = _help("passages per search, as the rollout engine retrieves", default=3)
     max_obs_tokens: int = _help("an observation is cut to this many actor tokens, as in the rollouts", default=300)
+    actor_model: str = _help("the actor whose tokenizer cuts observations, as in its rollouts: a model name or "
+                             "directory (default: the bundled SmolLM2)", default="smollm2-135m")
     passages_per_question: int = _help("retrieved passages of a question also used alone as evidence (each its "
                                        "own example: what one passage does and does not state)", default=4)
     balance_ratio: float = _help("within single-hop and within multi-hop questions, each label is capped at the "
@@ -303,7 +305,7 @@ def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] 
         example = evidence_example(question, seen, source)
         return [example] if example else []
 
-    tokenizer = load_tokenizer()  # the actor's tokenizer: observations are cut in its tokens
+    tokenizer = load_tokenizer(config.actor_model)  # the actor's tokenizer: observations are cut in its tokens
     own = retriever is None
     retriever = retriever if retriever is not None else open_retriever(None, suite)
     train: list[JudgeExample] = []

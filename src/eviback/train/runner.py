@@ -29,6 +29,7 @@ from typing import Any
 from eviback import dtype as dtypes
 from eviback.data import load_suite, read_training_questions
 from eviback.device import Placement, pin_trainer, place, record
+from eviback.generation.base import sleep_backend
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 
@@ -185,7 +186,7 @@ def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Te
                 data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
                 epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts), topk=config.rollout.topk,
                 max_obs_tokens=config.rollout.max_observation_tokens, seed=config.build_seed,
-                base_model=t.judge_base_model, device=config.device))
+                base_model=t.judge_base_model, actor_model=config.model, device=config.device))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
             warn_if_uninformative(judge.path)
@@ -401,9 +402,11 @@ def evaluate_start(config: TrainConfig, start: RunStart, training: Training) -> 
     from eviback.evaluate import run_eval
 
     log.info("evaluating the starting policy on the held-out questions")
-    return run_eval(held_out_eval_config(config, start.run.eval_start_dir, training.policy_path,
-                                         max_context_tokens=training.engine.config.max_context_tokens),
-                    backend=training.backend, retriever=training.retriever)
+    summary = run_eval(held_out_eval_config(config, start.run.eval_start_dir, training.policy_path,
+                                            max_context_tokens=training.engine.config.max_context_tokens),
+                       backend=training.backend, retriever=training.retriever)
+    sleep_backend(training.backend)  # vLLM on a GPU: the evaluation woke it; the first update needs the memory
+    return summary
 
 
 def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: Any) -> None:
@@ -457,8 +460,8 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
         top_p=rollout.top_p,
         max_completion_length=rollout.max_context_tokens,
         max_grad_norm=config.max_grad_norm,
-        save_strategy="steps",
-        save_steps=config.save_steps,
+        save_strategy="steps" if config.save_steps else "no",
+        save_steps=config.save_steps or 1,
         save_total_limit=config.save_total_limit,
         logging_steps=1,
         report_to=config.report_to or "none",
