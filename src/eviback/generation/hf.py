@@ -120,7 +120,11 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None else None
-        self.rng = SamplerRNG()
+        # On a GPU `generate` samples from the device's CUDA generator: its state is swapped too, so that
+        # `reseed` reproduces a rollout there and the trainer's CUDA stream is left as it was.
+        cuda_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.device.type == "cuda" else None
+        self.rng = SamplerRNG(cuda_device=cuda_index)
 
     @property
     def device(self):  # noqa: ANN201 - a torch.device
