@@ -533,7 +533,7 @@ def finish_run(config: TrainConfig, start: RunStart, training: Training, start_s
                                                     max_context_tokens=training.engine.config.max_context_tokens),
                                backend=training.backend, retriever=training.retriever)
         write_run_report(run, summary, start_summary)
-    write_placements(run.root / PLACEMENTS_FILE, start.placement)
+    write_placements(run.root / PLACEMENTS_FILE, start.placement, start.state.process_index)
     start.state.wait_for_everyone()
     if main:
         run.unlock()
@@ -543,13 +543,12 @@ def finish_run(config: TrainConfig, start: RunStart, training: Training, start_s
 PLACEMENTS_FILE = "placements.json"
 
 
-def write_placements(path: Path, placement: Placement) -> None:
+def write_placements(path: Path, placement: Placement, rank: int = 0) -> None:
     """Where this process's models computed (`eviback.device.placements()`): one file per process, the main
-    process's as `path`, the others' beside it with their rank (`placements.rank1.json`, ...)."""
-    from eviback.device import local_rank, off_device, placements
+    process's as `path`, the others' beside it with their global rank (`placements.rank1.json`, ...)."""
+    from eviback.device import off_device, placements
 
     records = placements()
-    rank = local_rank()
     target = path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
     target.write_text(json.dumps({"placement": placement.device, "dtype": placement.dtype,
                                   "models": records, "off_device": off_device(records)}, indent=2) + "\n")
