@@ -250,10 +250,6 @@ def parameters(config) -> int:  # noqa: ANN001
     return config.vocab_size * h + layers * per_layer + h
 
 
-def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:  # noqa: ANN001
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
-
-
 # --------------------------------------------------------------------------------------------------
 # Parts
 
@@ -299,7 +295,9 @@ def gpu_only(ctx: dict[str, Any], value: Any) -> Any:
 def decode_bound_tokens_per_s(config, rollouts: int, prompt: int, tokens: int, bandwidth_gbs: float,  # noqa: ANN001
                               weight_bytes: int) -> float:
     """Generated tokens/s if every decoding step only read the weights and the KV cache so far, once."""
-    kv = kv_bytes_per_token(config)
+    from eviback.generation.base import kv_bytes_per_token
+
+    kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
     total = tokens * weight_bytes + rollouts * kv * (tokens * prompt + tokens * (tokens - 1) / 2)
     return rollouts * tokens / (total / (bandwidth_gbs * 1e9))
 

@@ -186,6 +186,12 @@ def wake_backend(backend: object) -> None:
         wake()
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """Bytes of keys and values one token occupies in a KV cache (all layers): what sizes every engine's
+    cache (train/memory.py on the CPU, vllm.kv_cache_gib on a GPU)."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
 def iter_weights(
     weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> Iterable[tuple[str, torch.Tensor]]:

@@ -52,6 +52,7 @@ from eviback.generation.base import (
     SamplerRNG,
     SamplingConfig,
     iter_weights,
+    kv_bytes_per_token,
     request_caps,
 )
 from eviback.policy import DEFAULT_MODEL, torch_threads
@@ -188,7 +189,7 @@ def kv_cache_gib(tokens: int, *, layers: int, kv_heads: int, head_dim: int, dtyp
     112 KiB per token, so one step of 80 rollouts at 4,096 tokens needs 35 GiB."""
     if min(tokens, layers, kv_heads, head_dim, dtype_bytes) < 0:
         raise ValueError("tokens and the model's shape must be >= 0")
-    return 2 * layers * kv_heads * head_dim * dtype_bytes * tokens / GIB
+    return kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes) * tokens / GIB
 
 
 class VllmBackend:

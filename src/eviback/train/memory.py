@@ -9,12 +9,9 @@ evaluation of many questions) are scheduled in waves by the engine instead of fa
 
 from __future__ import annotations
 
+from eviback.generation.base import kv_bytes_per_token
+
 GIB = 1024 ** 3
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
-    """Bytes of keys and values one token occupies in the cache (all layers)."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
 def kv_cache_gib(sequences: int, max_context: int, bytes_per_token: int, *, headroom: float = 1.5,

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eviback import dtype as dtypes
 from eviback.data import load_suite, read_training_questions
 from eviback.device import Placement, pin_trainer, place, record
 from eviback.generation.base import sleep_backend
@@ -569,7 +568,7 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **ove
 
     return EvalConfig(
         out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
-        model=model, backend=config.backend, dtype=dtypes.resolve(config.dtype, place(config.device).kind),
+        model=model, backend=config.backend, dtype=place(config.device, config.dtype).dtype,
         device=config.device, retriever=config.retriever,
         topk=config.rollout.topk, max_turns=config.rollout.max_turns, max_turn_tokens=config.rollout.max_turn_tokens,
         max_observation_tokens=config.rollout.max_observation_tokens, **overrides,
