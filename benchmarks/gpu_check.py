@@ -250,6 +250,13 @@ def parameters(config) -> int:  # noqa: ANN001
     return config.vocab_size * h + layers * per_layer + h
 
 
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:  # noqa: ANN001
+    """The KV cache bytes of one token of a model of this config (eviback's own rule)."""
+    from eviback.generation.base import kv_bytes_per_token as per_token
+
+    return per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype_bytes)
+
+
 # --------------------------------------------------------------------------------------------------
 # Parts
 
@@ -295,9 +302,7 @@ def gpu_only(ctx: dict[str, Any], value: Any) -> Any:
 def decode_bound_tokens_per_s(config, rollouts: int, prompt: int, tokens: int, bandwidth_gbs: float,  # noqa: ANN001
                               weight_bytes: int) -> float:
     """Generated tokens/s if every decoding step only read the weights and the KV cache so far, once."""
-    from eviback.generation.base import kv_bytes_per_token
-
-    kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    kv = kv_bytes_per_token(config)
     total = tokens * weight_bytes + rollouts * kv * (tokens * prompt + tokens * (tokens - 1) / 2)
     return rollouts * tokens / (total / (bandwidth_gbs * 1e9))
 
