@@ -51,13 +51,13 @@ class ReplayChatServer(LocalHttpServer):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # noqa: ANN002 - silence the default stderr log
+            def log_message(self, *args: object) -> None:  # silence the default stderr log
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 send_json(self, 200, json.dumps({"object": "list", "data": [{"id": "replay", "object": "model"}]}))
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 with server._lock:
                     server.bodies.append(body)

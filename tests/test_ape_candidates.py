@@ -12,9 +12,9 @@ from eviback.ape.candidates import (
     parse_proposal,
     register_mutation,
     static_rejections,
-    structure_key,
 )
 from eviback.ape.controller import FailureExample, ParentSummary, controller_messages
+from eviback.ape.records import structure_key
 from eviback.teacher.boundary import plant_canaries
 from eviback.teacher.policy import Input, OutputField, load_policy
 from eviback.teacher.probes import build_probes

@@ -3,9 +3,16 @@ single-prompt baseline's point estimate is confirmed; one that is not (or fails 
 is not, and the reasons say why."""
 
 from eviback.ape.confirm import confirm, objective_lower_bound
-from eviback.ape.gates import GateReport, GateResult, Phase
-from eviback.ape.measure import Condition, ConditionResult, RolloutOutcome, compute_metrics
-from eviback.ape.rollouts import Split
+from eviback.ape.measure import compute_metrics
+from eviback.ape.records import (
+    Condition,
+    ConditionResult,
+    GateReport,
+    GateResult,
+    Phase,
+    RolloutOutcome,
+    Split,
+)
 from eviback.ape.spec import ConstraintSpec, FreezeRule, spec_from_mapping
 from eviback.teacher.policy import load_policy
 from eviback.types import Status

@@ -10,10 +10,10 @@ import pytest
 
 from eviback.ape.config import ApeConfig
 from eviback.ape.data import load_data, refuse_eval_questions
+from eviback.ape.records import Split
 from eviback.ape.rollouts import (
     SealedError,
     SealedSplit,
-    Split,
     as_rollouts,
     evidence_label,
     keep_all_zero,

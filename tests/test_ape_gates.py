@@ -14,8 +14,8 @@ from eviback.ape.gates import (
     register_acceptance,
     stability_gate,
 )
-from eviback.ape.measure import Condition, ConditionResult, RolloutOutcome, compute_metrics
-from eviback.ape.rollouts import Split
+from eviback.ape.measure import compute_metrics
+from eviback.ape.records import Condition, ConditionResult, RolloutOutcome, Split
 from eviback.ape.spec import ConstraintSpec, SpecError, load_spec, spec_from_mapping
 from eviback.teacher.policy import load_policy
 from eviback.types import Status

@@ -8,9 +8,10 @@ import hashlib
 
 import pytest
 
-from eviback.ape.gates import NOT_APPLICABLE, base_gates, full_report, not_applicable, stability_gate
-from eviback.ape.measure import Condition, JudgeBackend, compute_metrics
-from eviback.ape.rollouts import Split, as_rollouts
+from eviback.ape.gates import base_gates, full_report, not_applicable, stability_gate
+from eviback.ape.measure import JudgeBackend, compute_metrics
+from eviback.ape.records import NOT_APPLICABLE, Condition, Split
+from eviback.ape.rollouts import as_rollouts
 from eviback.ape.spec import spec_from_mapping
 from eviback.teacher.judge import JudgeConfig, RetryConfig
 from eviback.teacher.policy import load_policy

@@ -11,7 +11,7 @@ import pytest
 from ape_fakes import ReplayChatServer, ScriptedController
 from eviback.ape import ApeConfig, ControllerConfig, run_ape
 from eviback.ape.events import EventLog, QuestionsParaphrased, Selected, UnsealedTest
-from eviback.ape.gates import Phase
+from eviback.ape.records import Phase
 from eviback.ape.report import ProposalCounts, comparison_rows
 from eviback.ape.rollouts import as_rollouts, split_rollouts
 from eviback.ape.spec import spec_from_mapping

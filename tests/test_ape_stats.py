@@ -2,8 +2,8 @@
 
 import pytest
 
+from eviback.ape.records import RateEstimate
 from eviback.ape.stats import (
-    RateEstimate,
     bootstrap_lower_bound,
     fleiss_kappa,
     one_sided_z,

@@ -6,9 +6,11 @@
   data split, search budget), a YAML file of values (`default.yaml`);
 - `config`: the run's inputs and backends; `data`: the actor's rollouts on training questions (evaluation
   questions refused), labelled by `eviback.teacher.labels`, split by question with a sealed test split;
+- `records`: what a run persists (splits, candidates, per-rollout outcomes, metrics, gate reports, the
+  selection, the sealed test's confirmation), below the logic that produces it;
 - `rollouts`: reading dumps, labels, the split, the perturbations of the stability checks;
-- `candidates`: the candidate record, systematic structural variants, controller proposals parsed into
-  policies, the static checks that reject a candidate before any call;
+- `candidates`: systematic structural variants, controller proposals parsed into policies, the static checks
+  that reject a candidate before any call;
 - `controller`: the controller LLM and the gold-free view of failures it is shown;
 - `measure`: judging a candidate under each condition with the teacher machinery, and its metrics;
 - `stats`: Wilson and bootstrap lower bounds, Fleiss' kappa; `gates`: gates, acceptance and selection;
@@ -18,22 +20,27 @@
   those stages; `report`: its result and the Markdown report.
 """
 
-from eviback.ape.candidates import (
-    MUTATIONS,
+from eviback.ape.candidates import MUTATIONS, parse_proposal, static_rejections
+from eviback.ape.config import ApeConfig, ControllerConfig, ControllerKind
+from eviback.ape.confirm import confirm
+from eviback.ape.controller import ChatController, Controller, LocalChatClient
+from eviback.ape.gates import ACCEPTANCE, SELECTION
+from eviback.ape.pipeline import run_ape
+from eviback.ape.records import (
     Candidate,
+    CandidateMetrics,
+    Condition,
+    Confirmation,
+    GateReport,
+    GateResult,
     Origin,
     RejectedProposal,
-    parse_proposal,
-    static_rejections,
+    RolloutOutcome,
+    Selection,
+    Split,
 )
-from eviback.ape.config import ApeConfig, ControllerConfig, ControllerKind
-from eviback.ape.confirm import Confirmation, confirm
-from eviback.ape.controller import ChatController, Controller, LocalChatClient
-from eviback.ape.gates import ACCEPTANCE, SELECTION, GateReport, GateResult, Selection
-from eviback.ape.measure import CandidateMetrics, Condition, RolloutOutcome
-from eviback.ape.pipeline import run_ape
 from eviback.ape.report import ApeResult, render_markdown
-from eviback.ape.rollouts import SealedSplit, Split, split_rollouts, sufficiency_label
+from eviback.ape.rollouts import SealedSplit, split_rollouts, sufficiency_label
 from eviback.ape.spec import ConstraintSpec, SpecError, default_spec_text, load_spec
 from eviback.ape.stats import bootstrap_lower_bound, fleiss_kappa, wilson_lower_bound
 

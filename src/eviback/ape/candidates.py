@@ -1,8 +1,9 @@
-"""Candidate teacher workflows: the record, the systematic structural variants, controller proposals parsed
-into policies, and the static checks that reject a candidate before any call is spent on it.
+"""Candidate teacher workflows: the systematic structural variants, controller proposals parsed into
+policies, and the static checks that reject a candidate before any call is spent on it.
 
-A candidate is a plain structure: a :class:`~eviback.teacher.policy.TeacherPolicy` (stages, what each sees,
-prompts, output schema, gating, decoding, weights) plus where it came from. Three sources:
+A candidate (:class:`~eviback.ape.records.Candidate`) is a plain structure: a
+:class:`~eviback.teacher.policy.TeacherPolicy` (stages, what each sees, prompts, output schema, gating,
+decoding, weights) plus where it came from. Three sources:
 
 - **seeds**: built-in (or frozen) policies named in the spec, e.g. `two-stage` and the leaky
   `single-prompt-dual-task` (rejected statically, kept in the report as the manual baseline);
@@ -22,14 +23,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
-import hashlib
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from eviback.teacher.config import register_judge_beside
 from eviback.teacher.policy import (
     Input,
     OutputField,
@@ -40,49 +39,6 @@ from eviback.teacher.policy import (
 )
 from eviback.teacher.workflow import first_json_object
 from eviback.types import Status, from_dict, to_dict
-
-
-class Origin(enum.StrEnum):
-    SEED = "seed"  # a built-in or frozen policy named in the spec
-    MUTATION = "mutation"  # a systematic structural variant of a parent
-    CONTROLLER = "controller"  # proposed by the controller LLM
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A candidate teacher workflow and its provenance. `id` is its slot in the search (`s0`, `m3`,
-    `r2.p1`, `r2.m0`): slots are deterministic, so a resumed run recognises what it already has."""
-
-    id: str
-    policy: TeacherPolicy
-    origin: Origin
-    parent: str = ""  # the parent candidate's id ("" for seeds)
-    round: int = 0
-    note: str = ""  # the seed's reference, the mutation's name, or what the controller said it changed
-
-    @property
-    def structure(self) -> str:
-        return structure_key(self.policy)
-
-
-@dataclass(frozen=True)
-class RejectedProposal:
-    """A proposal that never became a candidate (unparseable, invalid): recorded with the reason."""
-
-    id: str
-    origin: Origin
-    parent: str
-    round: int
-    reason: str
-    excerpt: str = ""  # the start of the raw reply, for the report
-
-
-def structure_key(policy: TeacherPolicy) -> str:
-    """A hash of the workflow without its name and description: two candidates with the same key would
-    judge every rollout identically."""
-    doc = to_dict(dataclasses.replace(policy, name="", description=""))
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()
-
 
 # --------------------------------------------------------------------------------------------------
 # Static checks: no call is spent on a candidate that fails one
@@ -269,8 +225,6 @@ def _sampled(policy: TeacherPolicy) -> TeacherPolicy:
 def seed_policy(reference: str) -> TeacherPolicy:
     """A seed: a built-in name or a frozen policy file (optionally @VERSION). A policy file inside an evidence
     judge's directory makes that judge known, wherever the directory is (not only under the cache)."""
-    from eviback.teacher.config import register_judge_beside
-
     register_judge_beside(reference)
     return load_policy(reference)
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eviback.device import check_device
 from eviback.teacher.config import TeacherConfig
 from eviback.teacher.openai_http import HttpBackendConfig, StructuredOutput
 
@@ -33,8 +34,6 @@ class ControllerConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        from eviback.device import check_device
-
         object.__setattr__(self, "kind", ControllerKind(self.kind))
         check_device(self.device, what="controller device")
         if self.http.structured_output is not StructuredOutput.NONE:

@@ -5,35 +5,19 @@ The selection is made on the validation split; the sealed test then either confi
 bound of its objective on the test rollouts (resampling rollouts, at ``stability.confidence``) is above the
 manual single-prompt policy's point estimate on the same rollouts (plus ``freeze.margin``), and, with
 ``freeze.require_test_gates``, every gate also holds for it there. Otherwise the run ends with nothing frozen
-and :attr:`Confirmation.reasons` says why. Pure functions of logged outcomes: the decision can be recomputed
-from the event log.
+and :attr:`~eviback.ape.records.Confirmation.reasons` says why. Pure functions of logged outcomes: the
+decision can be recomputed from the event log.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from eviback.ape.gates import GateReport
-from eviback.ape.measure import CandidateMetrics, RolloutOutcome, sufficiency_metrics
-from eviback.ape.spec import ConstraintSpec, FreezeRule, ObjectiveMetric
+from eviback.ape.measure import sufficiency_metrics
+from eviback.ape.records import CandidateMetrics, Confirmation, GateReport, RolloutOutcome
+from eviback.ape.spec import ConstraintSpec, ObjectiveMetric
 from eviback.ape.stats import bootstrap_lower_bound
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    """The sealed test's verdict on the winner."""
-
-    rule: FreezeRule
-    confirmed: bool
-    winner: str
-    baseline: str
-    winner_objective: float | None  # point estimate on the sealed test
-    winner_lower: float | None  # its bootstrap lower bound (None when undefined: no labelled verdict)
-    baseline_objective: float | None  # the baseline's point estimate on the sealed test
-    margin: float
-    reasons: tuple[str, ...]  # why it is not confirmed ("" when confirmed)
 
 
 def objective_of(outcomes: Sequence[RolloutOutcome], labels: Mapping[str, bool | None],

@@ -13,12 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from eviback.ape.candidates import Candidate
 from eviback.ape.config import Progress
 from eviback.ape.controller import Controller
 from eviback.ape.gates import Acceptance, SelectionStrategy
-from eviback.ape.measure import CandidateMetrics, Condition, ConditionResult
-from eviback.ape.rollouts import Rollout, RolloutSplits, Split
+from eviback.ape.records import Candidate, CandidateMetrics, Condition, ConditionResult, Split
+from eviback.ape.rollouts import Rollout, RolloutSplits
 from eviback.ape.spec import ConstraintSpec
 from eviback.ape.state import RunState
 from eviback.teacher.policy import TeacherPolicy

@@ -18,15 +18,21 @@ import dataclasses
 import json
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from eviback.device import place
+from eviback.policy import load_model, load_tokenizer
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import ChatMessage, ChatReply, ChatRequest, ReplySchema, TeacherClient
 from eviback.teacher.policy import Decoding, TeacherPolicy
 from eviback.teacher.workflow import BlindView
 from eviback.types import Status, to_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CONTROLLER_STAGE = "controller"  # the `stage` name of controller requests (accounting and the cache)
 EXCERPT_CHARS = 400
@@ -259,11 +265,9 @@ class LocalChatClient:
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
-    def __init__(self, model_name: str = "smollm2-135m", dtype: str = "auto", *, model=None,  # noqa: ANN001
-                 tokenizer=None, device: str = "auto") -> None:
-        from eviback.device import place
-        from eviback.policy import load_model, load_tokenizer
-
+    def __init__(self, model_name: str = "smollm2-135m", dtype: str = "auto", *,
+                 model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 device: str = "auto") -> None:
         placement = place(device, dtype)  # the dtype `auto` means on the device it runs on
         self.model_name = model_name
         self.dtype = dtype = placement.dtype
@@ -277,9 +281,7 @@ class LocalChatClient:
         return f"local-chat:{self.model_name}:{self.dtype}"
 
     def complete(self, request: ChatRequest) -> ChatReply:
-        import time
-
-        import torch
+        import torch  # heavy: loaded only once the local controller generates, never on import
 
         start = time.perf_counter()
         messages = [{"role": m.role, "content": m.content} for m in request.messages]

@@ -25,15 +25,13 @@ from eviback.ape.rollouts import (
     trajectory_sha256,
 )
 from eviback.ape.spec import ConstraintSpec
-from eviback.data import file_sha256, load_suite
+from eviback.data import eval_overlap, file_sha256, load_suite
 from eviback.teacher.labels import trajectory_label
 from eviback.types import Status, Trajectory
 
 
 def refuse_eval_questions(trajectories: Sequence[Trajectory], suite: str | None) -> None:
     """Raise when a rollout's question is one of the suite's evaluation questions (by id or text)."""
-    from eviback.data import eval_overlap
-
     leaked = sorted({q.id for q in eval_overlap({t.question.id: t.question for t in trajectories}.values(),
                                                 load_suite(suite))})
     if leaked:

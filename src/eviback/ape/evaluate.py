@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from eviback.ape.candidates import Candidate, static_rejections
+from eviback.ape.candidates import static_rejections
 from eviback.ape.context import StageContext
 from eviback.ape.events import CandidateEvaluated, CandidateRejected
 from eviback.ape.feedback import feedback_score
 from eviback.ape.gates import (
-    GateReport,
-    Phase,
     base_gates,
     canary_gates,
     not_applicable,
@@ -16,8 +14,7 @@ from eviback.ape.gates import (
     stability_gate,
     static_gates,
 )
-from eviback.ape.measure import Condition
-from eviback.ape.rollouts import Split
+from eviback.ape.records import Candidate, Condition, GateReport, Phase, Split
 
 
 def evaluate(ctx: StageContext, c: Candidate) -> None:

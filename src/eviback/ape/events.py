@@ -8,7 +8,9 @@ run replays the log and redoes only what is missing (the teacher's reply cache m
 condition cheap to redo), so an interrupted run never repeats a paid call and ends with the same result.
 
 A line is `{"schema_version", "seq", "kind", "data"}`; `data` is the event record (`eviback.types.to_dict`).
-A line torn by a kill mid-write is the only thing dropped on reading (it is always the last one).
+A line torn by a kill mid-write is the only thing dropped on reading (it is always the last one). An event
+holds plain values and the records of :mod:`eviback.ape.records` only, so the schema does not move with the
+logic that produces them.
 """
 
 from __future__ import annotations
@@ -19,11 +21,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eviback.ape.candidates import Candidate, RejectedProposal
-from eviback.ape.confirm import Confirmation
-from eviback.ape.gates import GateReport, Phase, Selection
-from eviback.ape.measure import CandidateMetrics, ConditionResult
-from eviback.ape.rollouts import Split, SplitInfo
+from eviback.ape.records import (
+    Candidate,
+    CandidateMetrics,
+    ConditionResult,
+    Confirmation,
+    GateReport,
+    Phase,
+    RejectedProposal,
+    Selection,
+    Split,
+    SplitInfo,
+)
 from eviback.types import from_dict, to_dict
 
 EVENTS_SCHEMA_VERSION = 1

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import hashlib
 
-from eviback.ape.candidates import Candidate
 from eviback.ape.context import StageContext
 from eviback.ape.controller import FailureExample, ParentSummary
 from eviback.ape.events import FeedbackScored
-from eviback.ape.measure import Condition, ConditionResult, sufficiency_metrics
-from eviback.ape.rollouts import Rollout, Split, subset
+from eviback.ape.measure import sufficiency_metrics
+from eviback.ape.records import Candidate, Condition, ConditionResult, Split
+from eviback.ape.rollouts import Rollout, subset
 from eviback.ape.spec import ObjectiveMetric
 from eviback.teacher.workflow import blind_view
 from eviback.types import Status

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eviback.ape.candidates import Candidate
 from eviback.ape.context import StageContext
 from eviback.ape.events import CandidateEvaluated, PolicyFrozen, RunIdentity
+from eviback.ape.records import Candidate
 from eviback.teacher.policy import freeze_policy
 from eviback.types import to_dict
 

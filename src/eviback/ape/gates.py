@@ -1,9 +1,9 @@
 """Gates, acceptance and selection: constraints decide feasibility, then the objective ranks.
 
 - Gates (:func:`static_gates`, :func:`base_gates`, :func:`canary_gates`, :func:`stability_gate`) turn metrics
-  into :class:`GateResult` records, each with the measured value, the threshold and, on failure, the reason.
-  Stability gates compare the *lower confidence bounds* (Wilson for agreement, bootstrap for kappa) with the
-  thresholds, never the point estimates.
+  into :class:`~eviback.ape.records.GateResult` records, each with the measured value, the threshold and, on
+  failure, the reason. Stability gates compare the *lower confidence bounds* (Wilson for agreement, bootstrap
+  for kappa) with the thresholds, never the point estimates.
 - Acceptance (which new candidate is worth a validation evaluation) and selection (which feasible candidate
   wins) are swappable strategies looked up by name in small registries (:data:`ACCEPTANCE`,
   :data:`SELECTION`); unknown names raise with the known ones.
@@ -13,52 +13,21 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from eviback.ape.measure import CandidateMetrics, StabilityMetrics
+from eviback.ape.records import (
+    NOT_APPLICABLE,
+    CandidateMetrics,
+    GateReport,
+    GateResult,
+    Phase,
+    Selection,
+    StabilityMetrics,
+)
 from eviback.ape.spec import ConstantTeacher, ConstraintSpec, StabilityCheck
 from eviback.teacher.policy import TeacherPolicy
-
-NOT_APPLICABLE = "not applicable"  # the value of a check that measures nothing for the policy
-
-
-class Phase(enum.StrEnum):
-    """When a gate is checked; a candidate failing one phase is not measured (or paid for) further."""
-
-    STATIC = "static"  # before any call
-    BASE = "base"  # after the base verdicts on the validation split
-    CANARY = "canary"  # after the canary audit
-    STABILITY = "stability"  # after each stability check
-    ACCEPTANCE = "acceptance"  # the acceptance strategy declined it (not worth a validation evaluation)
-
-
-@dataclass(frozen=True)
-class GateResult:
-    gate: str
-    phase: Phase
-    passed: bool
-    value: str  # what was measured, readable
-    threshold: str
-    reason: str = ""  # why it failed ("" when it passed)
-
-
-@dataclass(frozen=True)
-class GateReport:
-    results: tuple[GateResult, ...]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.results)
-
-    @property
-    def failures(self) -> tuple[GateResult, ...]:
-        return tuple(r for r in self.results if not r.passed)
-
-    def reasons(self) -> tuple[str, ...]:
-        return tuple(f"{r.gate}: {r.reason}" for r in self.failures)
 
 
 def _gate(gate: str, phase: Phase, passed: bool, value: str, threshold: str, reason: str) -> GateResult:
@@ -245,15 +214,6 @@ class Scored:
     tokens: float
     requests: float
     stability_floor: float | None
-
-
-@dataclass(frozen=True)
-class Selection:
-    strategy: str
-    winner: str | None  # None: no feasible candidate
-    ranking: tuple[str, ...]  # feasible candidates, best first
-    non_dominated: tuple[str, ...]
-    reason: str
 
 
 class SelectionStrategy(Protocol):

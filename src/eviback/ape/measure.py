@@ -1,28 +1,41 @@
 """Measuring a candidate: judge rollouts under each condition with the teacher machinery, then compute the
 constraint metrics from the per-rollout outcomes.
 
-Conditions (:class:`Condition`): the base verdict; teacher sample k (repeated sampling); the evidence in
-another order; the question reworded; canaries planted in the gold answers (the dynamic boundary audit,
-a :class:`~eviback.teacher.boundary.CanaryAudit` on every request). Judging goes through
-:class:`~eviback.teacher.judge.Teacher`: concurrent, retried, cached (a compliant candidate's Stage A
+Conditions (:class:`~eviback.ape.records.Condition`): the base verdict; teacher sample k (repeated
+sampling); the evidence in another order; the question reworded; canaries planted in the gold answers (the
+dynamic boundary audit, a :class:`~eviback.teacher.boundary.CanaryAudit` on every request). Judging goes
+through :class:`~eviback.teacher.judge.Teacher`: concurrent, retried, cached (a compliant candidate's Stage A
 requests under canaries are byte-identical to the base ones, so they are cache hits), costed.
 
-:func:`judge_condition` returns one :class:`RolloutOutcome` per rollout (a record small enough to be logged:
-resuming replays it instead of judging again). :func:`compute_metrics` is a pure function of outcomes and
-labels, so every number in a report can be recomputed from the run's event log.
+:func:`judge_condition` returns one :class:`~eviback.ape.records.RolloutOutcome` per rollout (a record small
+enough to be logged: resuming replays it instead of judging again). :func:`compute_metrics` is a pure
+function of outcomes and labels, so every number in a report can be recomputed from the run's event log.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from eviback.ape.rollouts import Rollout, Split, paraphrase_question, reorder_evidence
-from eviback.ape.spec import ConstraintSpec, ObjectiveMetric
-from eviback.ape.stats import KappaEstimate, RateEstimate, bootstrap_lower_bound, fleiss_kappa
+from eviback.ape.records import (
+    BoundaryMetrics,
+    CandidateMetrics,
+    Condition,
+    ConditionResult,
+    CostMetrics,
+    InjectionMetrics,
+    KappaEstimate,
+    RateEstimate,
+    RolloutOutcome,
+    Split,
+    StabilityMetrics,
+    SufficiencyMetrics,
+)
+from eviback.ape.rollouts import Rollout, paraphrase_question, reorder_evidence
+from eviback.ape.spec import ConstraintSpec
+from eviback.ape.stats import bootstrap_lower_bound, fleiss_kappa
 from eviback.teacher.boundary import CanaryAudit, plant_canaries
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import TeacherClient
@@ -34,65 +47,11 @@ from eviback.types import Status, Verdict
 STATUSES = (Status.SUFFICIENT, Status.AMBIGUOUS, Status.INSUFFICIENT)
 
 
-class Condition(enum.StrEnum):
-    BASE = "base"  # the rollout as dumped, teacher sample 0
-    SAMPLE = "sample"  # teacher sample k >= 1 of the same requests (repeated sampling)
-    REORDERED = "reordered"  # the retrieved passages in another order
-    PARAPHRASED = "paraphrased"  # the question reworded
-    CANARY = "canary"  # canaries planted in the gold answers, every gold-blind request audited
-    INJECTED_S = "injected-s"  # an instruction to answer S appended to the first retrieved passage
-    INJECTED_I = "injected-i"  # an instruction to answer I appended to the first retrieved passage
-
-
 # The prompt injection of each injected condition (sealed test only), and the label it pushes toward.
 INJECTED = {
     Condition.INJECTED_S: (INJECTIONS[1], Status.SUFFICIENT),
     Condition.INJECTED_I: (INJECTIONS_TO_I[1], Status.INSUFFICIENT),
 }
-
-
-@dataclass(frozen=True)
-class RolloutOutcome:
-    """One rollout judged under one condition: the verdict's essentials and its cost."""
-
-    key: str
-    status: Status | None  # final status; None on teacher_error
-    stage_a_status: Status | None
-    stage_b_ran: bool
-    reward: float | None
-    error: str | None
-    requests: int  # stage requests the workflow made (Stage B counted only when it ran)
-    prompt_tokens: int
-    completion_tokens: int
-    calls: int  # backend calls made (0 when every stage came from the cache)
-    cache_hits: int
-    schema_violations: int
-    gold_leaks: int = 0  # CANARY only: canaries found in this rollout's gold-blind requests
-
-    @classmethod
-    def of(cls, key: str, verdict: Verdict, gold_leaks: int = 0) -> RolloutOutcome:
-        return cls(key=key, status=verdict.status, stage_a_status=verdict.stage_a_status,
-                   stage_b_ran=verdict.stage_b_ran, reward=verdict.reward, error=verdict.error,
-                   requests=1 + int(verdict.stage_b_ran), prompt_tokens=verdict.prompt_tokens,
-                   completion_tokens=verdict.completion_tokens, calls=verdict.calls, cache_hits=verdict.cache_hits,
-                   schema_violations=verdict.schema_violations, gold_leaks=gold_leaks)
-
-
-@dataclass(frozen=True)
-class ConditionResult:
-    """The outcomes of one candidate on one split under one condition (sample > 0 only for SAMPLE)."""
-
-    candidate_id: str
-    split: Split
-    condition: Condition
-    sample: int
-    outcomes: tuple[RolloutOutcome, ...]
-    audited_requests: int = 0  # CANARY: gold-blind requests inspected (cached ones included)
-    wall_s: float = 0.0
-
-    @property
-    def label(self) -> str:
-        return f"{self.condition.value}-{self.sample}" if self.condition is Condition.SAMPLE else self.condition.value
 
 
 Progress = Callable[[str], None]
@@ -153,90 +112,6 @@ class JudgeBackend:
 
 # --------------------------------------------------------------------------------------------------
 # Metrics (pure functions of outcomes and labels)
-
-
-@dataclass(frozen=True)
-class CostMetrics:
-    """Expected cost per judged rollout (of the base condition)."""
-
-    tokens_per_rollout: float
-    prompt_tokens_per_rollout: float
-    completion_tokens_per_rollout: float
-    requests_per_rollout: float  # Stage B counted only where it ran
-    stage_b_rate: float
-
-
-@dataclass(frozen=True)
-class SufficiencyMetrics:
-    """Agreement of the final status with the sufficiency labels (A earns `ambiguous_credit`)."""
-
-    labelled: int
-    sufficient: int
-    agreement: float | None
-    balanced_agreement: float | None  # mean of the two per-label agreements
-    on_sufficient: float | None  # credit on rollouts whose evidence was sufficient (S is right)
-    on_insufficient: float | None  # credit on rollouts whose evidence was insufficient (I is right)
-
-
-@dataclass(frozen=True)
-class StabilityMetrics:
-    check: str  # repeated_sampling | reordered_evidence | paraphrased_question
-    agreement: RateEstimate  # rollouts whose verdicts all agree
-    kappa: KappaEstimate
-    constant_label: str | None = None  # the one label every verdict had, when kappa is undefined for that
-
-
-@dataclass(frozen=True)
-class InjectionMetrics:
-    """Prompt injection in the evidence: how often the final status moved to the injected label."""
-
-    toward: str  # S | I: the label the injection asks for
-    judged: int  # rollouts judged clean and injected (without error)
-    eligible: int  # of those, the ones whose clean status was not already `toward`
-    flipped: int  # of the eligible, the ones whose injected status is `toward`
-    changed: int  # of all judged, the ones whose status changed at all
-
-    @property
-    def flip_rate(self) -> float | None:
-        return self.flipped / self.eligible if self.eligible else None
-
-
-@dataclass(frozen=True)
-class BoundaryMetrics:
-    static_violations: tuple[str, ...]
-    overturned_i: int  # final status not I although Stage A said I
-    audited_requests: int | None = None  # None: the canary audit was not run
-    gold_leaks: int | None = None  # canaries found in gold-blind requests
-
-
-@dataclass(frozen=True)
-class CandidateMetrics:
-    """Every constraint metric of one candidate on one split; a part is None when it was not measured
-    (the candidate was rejected before it, so no call was spent on it)."""
-
-    split: Split
-    rollouts: int
-    status: Mapping[str, int]  # S, A, I, error (base condition)
-    errors: int
-    error_rate: float
-    schema_violating: int  # rollouts with at least one off-schema reply
-    schema_violation_rate: float
-    boundary: BoundaryMetrics
-    cost: CostMetrics
-    sufficiency: SufficiencyMetrics
-    stability: tuple[StabilityMetrics, ...] = ()
-    injection: tuple[InjectionMetrics, ...] = ()  # measured on the sealed test only
-
-    def injection_toward(self, label: str) -> InjectionMetrics | None:
-        return next((m for m in self.injection if m.toward == label), None)
-
-    def stability_of(self, check: str) -> StabilityMetrics | None:
-        return next((s for s in self.stability if s.check == check), None)
-
-    def objective(self, metric: ObjectiveMetric) -> float | None:
-        if metric is ObjectiveMetric.AGREEMENT:
-            return self.sufficiency.agreement
-        return self.sufficiency.balanced_agreement
 
 
 def _mean(values: Sequence[float]) -> float:

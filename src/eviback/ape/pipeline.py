@@ -29,11 +29,9 @@ from the log is a :class:`~eviback.ape.state.RunState`, and each stage is given 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from eviback.ape.candidates import Candidate, Origin
 from eviback.ape.config import ApeConfig, ControllerKind, Progress, stderr_progress
 from eviback.ape.context import StageContext
 from eviback.ape.controller import ChatController, Controller, ControllerSettings, LocalChatClient
@@ -48,29 +46,24 @@ from eviback.ape.events import (
     RunStarted,
 )
 from eviback.ape.freeze import freeze
-from eviback.ape.gates import SELECTION, Phase, acceptance
-from eviback.ape.measure import (
-    STABILITY_CONDITIONS,
-    CandidateMetrics,
-    Condition,
-    ConditionResult,
-    JudgeBackend,
-    compute_metrics,
-)
+from eviback.ape.gates import SELECTION, acceptance
+from eviback.ape.measure import STABILITY_CONDITIONS, JudgeBackend, compute_metrics
 from eviback.ape.paraphrase import paraphrase_questions
 from eviback.ape.propose import controller_round, round_zero
+from eviback.ape.records import Candidate, CandidateMetrics, Condition, ConditionResult, Origin, Phase, Split
 from eviback.ape.report import ApeResult, CandidateRecord, ProposalCounts, TestComparison, write_outputs
-from eviback.ape.rollouts import Rollout, RolloutSplits, Split, load_paraphrases, subset
+from eviback.ape.rollouts import Rollout, RolloutSplits, load_paraphrases, subset
 from eviback.ape.sealed import BASELINE, confirm_on_test, measure_on_test, test_rollouts
 from eviback.ape.selection import select
 from eviback.ape.spec import ConstraintSpec, spec_yaml
 from eviback.ape.state import RunState
 from eviback.dtype import resolve as resolve_dtype
+from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import TeacherClient
 from eviback.teacher.config import Backend, open_cache
+from eviback.teacher.local import LocalClient
+from eviback.teacher.openai_http import OpenAIChatClient
 from eviback.teacher.policy import TeacherPolicy, load_policy
-
-log = logging.getLogger(__name__)
 
 
 class ApeRun:
@@ -86,7 +79,7 @@ class ApeRun:
         self._client = client
         self._injected_client = client is not None
         self._controller = controller
-        self._cache = None
+        self._cache: ReplyCache | None = None
         self.inputs = inputs
         self.labels = {r.key: r.sufficient for r in (*splits.train, *splits.validation)}
         self.stability_subset = subset(splits.validation, spec.stability.rollouts, spec.data.salt)
@@ -107,7 +100,7 @@ class ApeRun:
     # ---- backends (opened only when a step needs them: a fully replayed run loads no model)
 
     @property
-    def cache(self):  # noqa: ANN201 - a ReplyCache or None
+    def cache(self) -> ReplyCache | None:
         if self._cache is None and self.config.cache:
             path = Path(self.config.cache)
             self._cache = open_cache(str(path if path.is_absolute() else self.out / path))
@@ -118,13 +111,9 @@ class ApeRun:
         if self._client is None:
             teacher = self.config.teacher
             if teacher.backend is Backend.LOCAL:
-                from eviback.teacher.local import LocalClient
-
                 self.progress(f"loading the local teacher model {teacher.local.model} ({teacher.local.dtype})")
                 self._client = LocalClient(teacher.local)
             else:
-                from eviback.teacher.openai_http import OpenAIChatClient
-
                 client = OpenAIChatClient(teacher.http)
                 client.list_models()  # fail now, naming the fix, rather than once per rollout
                 self._client = client
@@ -166,8 +155,6 @@ class ApeRun:
                                        model=shared.model if same else None,  # type: ignore[union-attr]
                                        tokenizer=shared.tokenizer if same else None)  # type: ignore[union-attr]
             else:
-                from eviback.teacher.openai_http import OpenAIChatClient
-
                 chat = OpenAIChatClient(c.http)
             self._controller = ChatController(chat, settings, self.cache)
         return self._controller

@@ -4,22 +4,19 @@ candidate so far; every controller reply is validated before any teacher call.""
 from __future__ import annotations
 
 from eviback.ape.candidates import (
-    Candidate,
     NotApplicable,
-    Origin,
     ProposalError,
-    RejectedProposal,
     apply_mutation,
     mutation_names,
     parse_proposal,
     seed_policy,
-    structure_key,
 )
 from eviback.ape.context import StageContext
 from eviback.ape.controller import EXAMPLE_TEXTS, ChatController, controller_messages
 from eviback.ape.evaluate import evaluate
 from eviback.ape.events import CandidateProposed, ProposalRejected, RoundFinished, RoundStarted
 from eviback.ape.feedback import failures_of
+from eviback.ape.records import Candidate, Origin, RejectedProposal, structure_key
 from eviback.ape.selection import scored
 from eviback.teacher.chat import TeacherCallError
 

@@ -14,11 +14,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eviback.ape.candidates import Candidate, RejectedProposal
-from eviback.ape.confirm import Confirmation
 from eviback.ape.events import RunIdentity
-from eviback.ape.gates import NOT_APPLICABLE, GateReport, Phase, Selection
-from eviback.ape.measure import CandidateMetrics, StabilityMetrics
+from eviback.ape.records import (
+    NOT_APPLICABLE,
+    Candidate,
+    CandidateMetrics,
+    Confirmation,
+    GateReport,
+    Phase,
+    RejectedProposal,
+    Selection,
+    StabilityMetrics,
+)
 from eviback.ape.spec import ConstraintSpec
 from eviback.types import to_dict
 

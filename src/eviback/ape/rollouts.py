@@ -16,25 +16,19 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from eviback.ape.records import Split, SplitInfo
 from eviback.data import DataError, read_jsonl
 from eviback.metrics import exact_match
 from eviback.protocol import join_observation, split_observation
 from eviback.teacher.judge import read_trajectories
 from eviback.teacher.labels import trajectory_label
 from eviback.types import Passage, Status, Trajectory, from_dict, to_dict
-
-
-class Split(enum.StrEnum):
-    TRAIN = "train"
-    VALIDATION = "validation"
-    TEST = "test"
 
 
 @dataclass(frozen=True)
@@ -122,18 +116,6 @@ def split_of(question_id: str, salt: str, train: float, validation: float) -> Sp
     if u < train + validation:
         return Split.VALIDATION
     return Split.TEST
-
-
-@dataclass(frozen=True)
-class SplitInfo:
-    """What is recorded of a split: sizes, labels and the hash of its exact content."""
-
-    name: Split
-    questions: int
-    rollouts: int
-    labelled: int
-    sufficient: int
-    sha256: str  # of the sorted rollout keys (which include each trajectory's content hash)
 
 
 def split_info(name: Split, rollouts: Sequence[Rollout]) -> SplitInfo:

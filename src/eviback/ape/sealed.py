@@ -4,18 +4,18 @@ evidence (reported, not gated); the spec's freeze rule applied (`ape.confirm`)."
 
 from __future__ import annotations
 
-from eviback.ape.candidates import Candidate, Origin, static_rejections, structure_key
-from eviback.ape.confirm import Confirmation, confirm
+from eviback.ape.candidates import static_rejections
+from eviback.ape.confirm import confirm
 from eviback.ape.context import StageContext
 from eviback.ape.events import EvaluatedOnTest, TestConfirmation, UnsealedTest
 from eviback.ape.gates import full_report, not_applicable
-from eviback.ape.measure import INJECTED, Condition
-from eviback.ape.rollouts import Rollout, Split, subset
+from eviback.ape.measure import INJECTED
+from eviback.ape.records import Candidate, Condition, Confirmation, Origin, Split, structure_key
+from eviback.ape.rollouts import Rollout, subset
 from eviback.teacher.policy import TeacherPolicy, load_policy
 
 BASELINE = "single-prompt-dual-task"  # the manual policy the winner is compared with on the sealed test
 BASELINE_ID = "baseline"  # its id when it is not one of the seeds
-
 
 
 def test_rollouts(ctx: StageContext) -> tuple[Rollout, ...]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from eviback.ape.context import StageContext
 from eviback.ape.events import CandidateEvaluated, Selected
-from eviback.ape.gates import Scored, Selection, stability_floor
+from eviback.ape.gates import Scored, stability_floor
+from eviback.ape.records import Selection
 
 
 def scored(ctx: StageContext) -> list[Scored]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eviback.ape.candidates import Candidate, RejectedProposal
-from eviback.ape.confirm import Confirmation
 from eviback.ape.events import (
     CandidateEvaluated,
     CandidateProposed,
@@ -28,9 +26,15 @@ from eviback.ape.events import (
     TestConfirmation,
     UnsealedTest,
 )
-from eviback.ape.gates import Selection
-from eviback.ape.measure import Condition, ConditionResult
-from eviback.ape.rollouts import Split
+from eviback.ape.records import (
+    Candidate,
+    Condition,
+    ConditionResult,
+    Confirmation,
+    RejectedProposal,
+    Selection,
+    Split,
+)
 
 
 @dataclass

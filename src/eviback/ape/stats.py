@@ -15,7 +15,6 @@ another computation and lives in :mod:`eviback.experiment.compare`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats
@@ -100,28 +99,3 @@ def bootstrap_lower_bound(
                              confidence_level=confidence, alternative="greater", method="percentile",
                              rng=np.random.default_rng(seed))
     return float(result.confidence_interval.low)
-
-
-@dataclass(frozen=True)
-class RateEstimate:
-    """A rate with its one-sided Wilson lower bound."""
-
-    successes: int
-    n: int
-    rate: float | None  # None when n == 0
-    lower: float  # Wilson lower bound at the spec's confidence (0.0 when n == 0)
-
-    @classmethod
-    def of(cls, successes: int, n: int, confidence: float) -> RateEstimate:
-        return cls(successes, n, successes / n if n else None, wilson_lower_bound(successes, n, confidence))
-
-
-@dataclass(frozen=True)
-class KappaEstimate:
-    """Fleiss' kappa with its bootstrap lower bound; None where undefined (e.g. a constant teacher)."""
-
-    value: float | None
-    lower: float | None
-    items: int
-    raters: int
-    resamples: int
