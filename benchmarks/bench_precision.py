@@ -95,7 +95,7 @@ def part_matmul() -> dict:
     return out
 
 
-def synthetic_batch(rows: int, vocab: int, seed: int = 0):  # noqa: ANN201
+def synthetic_batch(rows: int, vocab: int, seed: int = 0):
     """(input_ids, attention_mask, score_mask, logits_to_keep) of `rows` rollouts of the experiment's shape."""
     import torch
 
@@ -215,7 +215,7 @@ def part_warmstart(dtype_setting: str, examples: int) -> dict:
     from eviback.train.sft import REPORT_FILE, WarmStartConfig, warm_start
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = WarmStartConfig(max_examples=examples, max_obs_tokens=300, gradient_accumulation=2,
+        config = WarmStartConfig(max_examples=examples, max_observation_tokens=300, gradient_accumulation=2,
                                  dtype=dtype_setting, output=str(Path(tmp) / "ws"), force=True, progress=False)
         started = time.perf_counter()
         path = warm_start(config)

@@ -29,13 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from teacher_backends import add_backend_arguments, open_backend  # noqa: E402
+from teacher_backends import add_backend_arguments, open_backend
 
-from eviback.teacher.config import register_judge_beside  # noqa: E402
-from eviback.teacher.judge import JudgeConfig, Teacher  # noqa: E402
-from eviback.teacher.policy import TeacherPolicy, load_policy  # noqa: E402
-from eviback.teacher.probes import INJECTIONS, INJECTIONS_TO_I, build_probes, inject  # noqa: E402
-from eviback.types import Status  # noqa: E402
+from eviback.teacher.config import register_judge_beside
+from eviback.teacher.judge import JudgeConfig, Teacher
+from eviback.teacher.policy import TeacherPolicy, load_policy
+from eviback.teacher.probes import INJECTIONS, INJECTIONS_TO_I, build_probes, inject
+from eviback.types import Status
 
 
 def status_stage_only(policy: TeacherPolicy) -> TeacherPolicy:

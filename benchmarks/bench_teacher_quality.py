@@ -47,16 +47,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-from teacher_backends import add_backend_arguments, open_backend  # noqa: E402
+import numpy as np
+from teacher_backends import add_backend_arguments, open_backend
 
-from eviback.data import load_suite, read_questions  # noqa: E402
-from eviback.teacher.judge import JudgeConfig, Teacher, read_trajectories  # noqa: E402
-from eviback.teacher.labels import agreement, trajectory_label  # noqa: E402
-from eviback.teacher.policy import TeacherPolicy, load_policy  # noqa: E402
-from eviback.teacher.workflow import evidence_as_seen, render_seen  # noqa: E402
-from eviback.train.judge_builder import JudgeExample  # noqa: E402
-from eviback.types import Status, Trajectory, to_dict  # noqa: E402
+from eviback.data import load_suite, read_questions
+from eviback.teacher.judge import JudgeConfig, Teacher, read_trajectories
+from eviback.teacher.labels import agreement, trajectory_label
+from eviback.teacher.policy import TeacherPolicy, load_policy
+from eviback.teacher.workflow import evidence_as_seen, render_seen
+from eviback.train.judge_builder import JudgeExample
+from eviback.types import Status, Trajectory, to_dict
 
 HELDOUT = ("nq", "popqa", "hotpotqa", "2wikimultihopqa", "musique")
 PROBE = "frozen-feature-probe"

@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the faulty server is a test double
 
-from eviback.teacher.judge import JudgeConfig, RetryConfig, Teacher  # noqa: E402
-from eviback.teacher.openai_http import HttpBackendConfig, OpenAIChatClient  # noqa: E402
-from eviback.teacher.policy import load_policy  # noqa: E402
-from eviback.teacher.probes import build_probes  # noqa: E402
-from teacher_fakes import Fault, FaultyChatServer  # noqa: E402
+from eviback.teacher.judge import JudgeConfig, RetryConfig, Teacher
+from eviback.teacher.openai_http import HttpBackendConfig, OpenAIChatClient
+from eviback.teacher.policy import load_policy
+from eviback.teacher.probes import build_probes
+from teacher_fakes import Fault, FaultyChatServer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,15 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from teacher_backends import add_backend_arguments, open_backend  # noqa: E402
+from teacher_backends import add_backend_arguments, open_backend
 
-from eviback.backoff import BackoffConfig, Mode, group_advantages  # noqa: E402
-from eviback.metrics import exact_match, f1_score  # noqa: E402
-from eviback.teacher.judge import JudgeConfig, Teacher, read_trajectories  # noqa: E402
-from eviback.teacher.labels import LABEL_VALUE, agreement, trajectory_label  # noqa: E402
-from eviback.teacher.policy import load_policy  # noqa: E402
-from eviback.teacher.workflow import evidence_as_seen  # noqa: E402
-from eviback.types import Status  # noqa: E402
+from eviback.backoff import BackoffConfig, Mode, group_advantages
+from eviback.metrics import exact_match, f1_score
+from eviback.teacher.judge import JudgeConfig, Teacher, read_trajectories
+from eviback.teacher.labels import LABEL_VALUE, agreement, trajectory_label
+from eviback.teacher.policy import load_policy
+from eviback.teacher.workflow import evidence_as_seen
+from eviback.types import Status
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -123,7 +123,7 @@ def f1_row(chosen: list[list], labels: list[Status]) -> dict:
     return row
 
 
-def policy_row(ref: str, client, chosen: list[list], flat: list, labels: list[Status],  # noqa: ANN001
+def policy_row(ref: str, client, chosen: list[list], flat: list, labels: list[Status],
                args: argparse.Namespace) -> dict:
     from eviback.teacher.config import register_judge_beside
 

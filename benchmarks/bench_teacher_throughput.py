@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from teacher_backends import add_backend_arguments, open_backend  # noqa: E402
+from teacher_backends import add_backend_arguments, open_backend
 
-from eviback.teacher.cache import SqliteCache  # noqa: E402
-from eviback.teacher.judge import JudgeConfig, Teacher  # noqa: E402
-from eviback.teacher.policy import load_policy  # noqa: E402
-from eviback.teacher.probes import build_probes  # noqa: E402
+from eviback.teacher.cache import SqliteCache
+from eviback.teacher.judge import JudgeConfig, Teacher
+from eviback.teacher.policy import load_policy
+from eviback.teacher.probes import build_probes
 
 
 def main(argv: list[str] | None = None) -> int:

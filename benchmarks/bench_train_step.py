@@ -75,7 +75,7 @@ def wrap(owner: object, name: str, sampler: Sampler, label: str, after: str | No
     original = getattr(owner, name)
 
     @functools.wraps(original)
-    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def wrapped(*args, **kwargs):
         sampler.mark(label)
         try:
             return original(*args, **kwargs)
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     import eviback.generation as generation
     from eviback.train import grpo, runner
     from eviback.train.config import resolve_config
+    from eviback.train.scoring import ScoringSettings
 
     sampler = Sampler()
     wrap(generation, "load_backend", sampler, "load:engine", after="after-engine")
@@ -137,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     paths: dict[int, str] = {}
     choose = grpo.EviBackTrainer._generate_and_score_completions
 
-    def choose_path(self, inputs):  # noqa: ANN001, ANN202
+    def choose_path(self, inputs):
         step = self.state.global_step + 1
         path = args.paths if args.paths != "alternate" else ("plain" if step % 2 == 0 else "fast")
-        self.fast_update = self.defer_old_logps = path == "fast"
+        self.scoring = ScoringSettings() if path == "fast" else ScoringSettings.trl()
         paths[step] = path
         return choose(self, inputs)
 

@@ -14,7 +14,7 @@ padding), `fast_per_row` (every row alone), and `plain_1thread` / `fast_1thread`
 a CPU shared with other busy processes, two OpenMP threads spend most of each small kernel waiting for each
 other, which penalises the path with more (smaller) kernels. One update = what TRL does after the rollouts:
 the policy's "old" log-probabilities of the whole batch for the behaviour correction (no grad; the fast
-variants take them from the loss pass instead, `EviBackTrainer.defer_old_logps`), the reference model's
+variants take them from the loss pass instead, `ScoringSettings.defer_old_pass`), the reference model's
 log-probabilities of the whole batch (no grad), then per micro-batch the policy's forward (log-probs, loss) and backward, then gradient clipping
 and the optimiser step. Plain and fast repetitions alternate; the bf16 matmul peak (2048 x 2048) is measured
 before each pair. FLOPs count what each variant runs (:func:`flops_run`): 2 x decoder parameters per token
@@ -53,6 +53,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+from eviback.train.scoring import ScoringSettings
 
 log = logging.getLogger("bench_update")
 
@@ -116,7 +118,7 @@ class Row:
     advantage: float
 
 
-def rows_from_groups(path: Path, step: int | None, tokenizer, max_obs_tokens: int) -> tuple[int, list[Row]]:  # noqa: ANN001
+def rows_from_groups(path: Path, step: int | None, tokenizer, max_obs_tokens: int) -> tuple[int, list[Row]]:
     """One step's rollouts as token rows (the step with the median token count when `step` is None)."""
     from eviback.protocol import apply_chat_template
 
@@ -222,7 +224,7 @@ def flops_run(batch: dict[str, torch.Tensor], parameters: int, head: int, tied: 
 # The trainer and one update
 
 
-def build_trainer(args: argparse.Namespace, out: Path, group_size: int, questions_per_step: int):  # noqa: ANN201
+def build_trainer(args: argparse.Namespace, out: Path, group_size: int, questions_per_step: int):
     from trl import GRPOConfig
 
     from eviback.backoff import BackoffConfig
@@ -267,7 +269,7 @@ def micro_batches(batch: dict[str, torch.Tensor], parts: int, seed: int) -> list
     return out
 
 
-def reference_logps(trainer, batch: dict[str, torch.Tensor], rollout_masks: list[list[int]]) -> torch.Tensor:  # noqa: ANN001
+def reference_logps(trainer, batch: dict[str, torch.Tensor], rollout_masks: list[list[int]]) -> torch.Tensor:
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     trainer._fast_rollout_masks = rollout_masks  # what `_generate` leaves for the no-grad passes
@@ -278,20 +280,20 @@ def reference_logps(trainer, batch: dict[str, torch.Tensor], rollout_masks: list
     return ref
 
 
-def behaviour_correction(trainer, batch: dict[str, torch.Tensor], rollout_masks: list[list[int]]) -> dict:  # noqa: ANN001
+def behaviour_correction(trainer, batch: dict[str, torch.Tensor], rollout_masks: list[list[int]]) -> dict:
     """The importance-ratio inputs of the loss, as `eviback train` sets the correction up: TRL's way (one
-    more no-grad pass of the policy for the old log-probs, `trainer.defer_old_logps` False) or eviback's
+    more no-grad pass of the policy for the old log-probs, `trainer.scoring.defer_old_pass` False) or eviback's
     (deferred to the loss pass). The engine's log-probs are not in the recorded groups: the batch carries
     zeros, which changes the ratio's values, not the cost."""
     from eviback.train.update import importance_ratio
 
     sampling = torch.zeros(batch["completion_ids"].shape, dtype=torch.float32)
-    if trainer.defer_old_logps:
+    if trainer.scoring.defer_old_pass:
         return {"sampling_per_token_logps": sampling,
                 "deferred_is": torch.ones(batch["completion_ids"].shape[0], dtype=torch.bool)}
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    trainer._fast_rollout_masks = rollout_masks
+    trainer._scoring_state.rollout_masks = rollout_masks
     with torch.no_grad():
         old, _, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, ids, attention, batch["completion_ids"].shape[1],
@@ -310,10 +312,11 @@ VARIANTS = {  # name: (fast path, its max padding share per decoder batch, torch
 }
 
 
-def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, variant: str, seed: int) -> dict:  # noqa: ANN001
+def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, variant: str, seed: int) -> dict:
     """One update; returns its phases' seconds and the sampled peak RSS (GB) above the start."""
-    trainer.fast_update, trainer.fast_max_padding, threads = VARIANTS[variant]
-    trainer.defer_old_logps = trainer.fast_update  # the fast path skips TRL's old-log-prob pass
+    fast, max_padding, threads = VARIANTS[variant]
+    # the fast path skips TRL's old-log-prob pass too
+    trainer.scoring = ScoringSettings(padding_free=fast, defer_old_pass=fast, max_padding=max_padding)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
     try:
@@ -322,7 +325,7 @@ def one_update(trainer, model, optimizer, batch, rollout_masks, parts: int, vari
         torch.set_num_threads(default_threads)
 
 
-def _timed_update(trainer, model, optimizer, batch, rollout_masks, parts: int, seed: int) -> dict:  # noqa: ANN001
+def _timed_update(trainer, model, optimizer, batch, rollout_masks, parts: int, seed: int) -> dict:
     gc_before = rss_gb()
     times: dict[str, float] = {"old_logps_s": 0.0, "reference_s": 0.0, "policy_forward_s": 0.0, "backward_s": 0.0,
                                "optimizer_s": 0.0}
@@ -355,9 +358,9 @@ def _timed_update(trainer, model, optimizer, batch, rollout_masks, parts: int, s
     return times
 
 
-def loss_and_grads(trainer, model, ref_model, batch, rollout_masks, parts: int, fast: bool, seed: int):  # noqa: ANN001, ANN201
+def loss_and_grads(trainer, model, ref_model, batch, rollout_masks, parts: int, fast: bool, seed: int):
     """(loss, flat fp64 gradient, reference log-probs at the loss mask) of one update's passes, no step."""
-    trainer.fast_update = trainer.defer_old_logps = fast
+    trainer.scoring = ScoringSettings() if fast else ScoringSettings.trl()
     saved, saved_model, trainer.ref_model, trainer.model = trainer.ref_model, trainer.model, ref_model, model
     try:
         correction = behaviour_correction(trainer, batch, rollout_masks)
@@ -377,7 +380,7 @@ def loss_and_grads(trainer, model, ref_model, batch, rollout_masks, parts: int, 
     return loss, grads, ref[mask].double()
 
 
-def accuracy_check(trainer, model, batch, rollout_masks, parts: int) -> dict:  # noqa: ANN001
+def accuracy_check(trainer, model, batch, rollout_masks, parts: int) -> dict:
     """Plain and fast (both bf16) against an fp32 reference: the fast path on fp32 copies of the policy and
     the reference model (its math is exact in fp32, tests/test_train_update.py). The policy is first moved
     off the reference (as after a few updates) so that the KL term is not zero."""
@@ -409,7 +412,7 @@ def accuracy_check(trainer, model, batch, rollout_masks, parts: int) -> dict:  #
     return out
 
 
-def head_microbench(trainer, model, batch, reps: int) -> dict:  # noqa: ANN001
+def head_microbench(trainer, model, batch, reps: int) -> dict:
     """The LM head alone (forward + backward) on this batch's final hidden states: TRL's fused head over every
     position of a padded micro-batch vs eviback's chunked head over the scored positions."""
     from trl.kernels import ChunkedLogProbFunction

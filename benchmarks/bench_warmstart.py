@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_start:
         started = time.perf_counter()
         config = WarmStartConfig(model=args.model, max_examples=args.max_examples, epochs=args.epochs,
-                                 max_obs_tokens=args.max_obs_tokens)
+                                 max_observation_tokens=args.max_obs_tokens)
         model = str(warm_start(config, retriever=retriever))
         result["warm_start"] = json.loads((Path(model) / "sft_report.json").read_text())
         result["warm_start_wall_s"] = round(time.perf_counter() - started, 1)

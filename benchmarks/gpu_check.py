@@ -125,7 +125,7 @@ class Sizes:
 # Models
 
 
-def load_tokenizer(args: argparse.Namespace):  # noqa: ANN201
+def load_tokenizer(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     if args.tokenizer:
@@ -139,7 +139,7 @@ def load_tokenizer(args: argparse.Namespace):  # noqa: ANN201
     return tok
 
 
-def vocabulary_check(tokenizer) -> dict[str, Any]:  # noqa: ANN001
+def vocabulary_check(tokenizer) -> dict[str, Any]:
     """What the tokenizer makes of ids past its vocabulary: the reason the policies' vocabulary is its own."""
     inside = tokenizer.decode([len(tokenizer) - 1])
     past = {i: tokenizer.decode([i]) for i in (len(tokenizer), QWEN3_VOCAB - 1)}
@@ -153,7 +153,7 @@ def vocabulary_check(tokenizer) -> dict[str, Any]:  # noqa: ANN001
                       f"part, which decodes nothing: Qwen3's {QWEN3_VOCAB:,}"}
 
 
-def qwen3_config(shape: str, vocab: int, tokenizer):  # noqa: ANN001, ANN201
+def qwen3_config(shape: str, vocab: int, tokenizer):
     from transformers import Qwen3Config
 
     return Qwen3Config(vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -162,7 +162,7 @@ def qwen3_config(shape: str, vocab: int, tokenizer):  # noqa: ANN001, ANN201
                        initializer_range=0.02, **SHAPES[shape])
 
 
-def random_model(config, device: str, dtype):  # noqa: ANN001, ANN201
+def random_model(config, device: str, dtype):
     """A Qwen3 causal LM with seeded random weights: normal(0, 0.02) matrices and unit norms, so that a
     hidden state of RMS 1 meets the tied head in logits of standard deviation about 0.02 x sqrt(hidden)
     (0.6 at 1024): sampling at temperature 1 is close to uniform, as a fresh model's should be."""
@@ -174,7 +174,7 @@ def random_model(config, device: str, dtype):  # noqa: ANN001, ANN201
         return Qwen3ForCausalLM(config).to(dtype)
 
 
-def write_policy(shape: str, out: Path, tokenizer, device: str) -> Path:  # noqa: ANN001
+def write_policy(shape: str, out: Path, tokenizer, device: str) -> Path:
     """A random-weight Qwen3-shaped policy (bf16, seeded, the tokenizer's vocabulary), saved to
     `out/qwen3-<shape>` with the tokenizer; kept for the later parts."""
     import torch
@@ -241,7 +241,7 @@ def prepare_offline(directory: Path) -> None:
     print(f"wrote {directory / 'smollm2'} and {directory / 'minilm'}: pass them as --tokenizer and --judge-tokenizer")
 
 
-def parameters(config) -> int:  # noqa: ANN001
+def parameters(config) -> int:
     """Parameters of a tied Qwen3-shaped model (norms included)."""
     h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     q = config.num_attention_heads * config.head_dim
@@ -250,7 +250,7 @@ def parameters(config) -> int:  # noqa: ANN001
     return config.vocab_size * h + layers * per_layer + h
 
 
-def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:  # noqa: ANN001
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     """The KV cache bytes of one token of a model of this config (eviback's own rule)."""
     from eviback.generation.base import kv_bytes_per_token as per_token
 
@@ -299,7 +299,7 @@ def gpu_only(ctx: dict[str, Any], value: Any) -> Any:
     return None if ctx["tiny"] else value
 
 
-def decode_bound_tokens_per_s(config, rollouts: int, prompt: int, tokens: int, bandwidth_gbs: float,  # noqa: ANN001
+def decode_bound_tokens_per_s(config, rollouts: int, prompt: int, tokens: int, bandwidth_gbs: float,
                               weight_bytes: int) -> float:
     """Generated tokens/s if every decoding step only read the weights and the KV cache so far, once."""
     kv = kv_bytes_per_token(config)
@@ -359,7 +359,7 @@ def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
                               "peak_gb": peak_gb(device),
                               "resolved": {k: getattr(backend, k, None) for k in
                                            ("cache", "grouped_attention", "compile", "batch_size")}}
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a result, not the end of the check
+            except Exception as e:  # a variant that fails is a result, not the end of the check
                 rows[name] = {"options": options, "error": f"{type(e).__name__}: {e}"[:500]}
             progress(f"generate {shape} {name}: {rows[name]}")
             backend = out = None  # the next variant starts without this one's KV cache
@@ -433,7 +433,7 @@ def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     return results
 
 
-def update_step(model, ids, plan, device: str) -> None:  # noqa: ANN001
+def update_step(model, ids, plan, device: str) -> None:
     import torch
 
     from eviback.train.update import padding_free_logprobs
@@ -571,7 +571,7 @@ def part_train(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
                 extra = {"judge_base_model": write_judge_base(ctx), "judge_max_questions": sizes.judge_questions,
                          "judge_epochs": 1}
             results[preset] = train_run(preset, preset, path, ctx, {**common, **extra}, ctx["timeout"])
-        except Exception as e:  # noqa: BLE001 - one preset failing is reported, the others still run
+        except Exception as e:  # one preset failing is reported, the others still run
             results[preset] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
         if "error" in results[preset]:
             ctx["failed"].append(f"train {preset}")
@@ -907,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         try:
             report["parts"][part] = functions[part](ctx, sizes)
-        except Exception as e:  # noqa: BLE001 - a failing part is reported and the check continues
+        except Exception as e:  # a failing part is reported and the check continues
             report["parts"][part] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
             ctx["failed"].append(part)
             traceback.print_exc()
@@ -921,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         md_path.write_text(markdown(report) + "\n")
-    except Exception:  # noqa: BLE001 - a report that cannot be rendered is a failure; the JSON still is written
+    except Exception:  # a report that cannot be rendered is a failure; the JSON still is written
         traceback.print_exc()
         ctx["failed"].append("markdown")
     (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -12,11 +12,12 @@ import contextlib
 from collections.abc import Iterator
 
 from eviback.teacher.chat import TeacherClient
+from eviback.teacher.openai_http import DEFAULT_BASE_URL
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser, default: str = "local") -> None:
     parser.add_argument("--backend", choices=("local", "http", "vllm"), default=default)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="with --backend http")
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL, help="with --backend http")
     parser.add_argument("--model", default="", help="served model name (http), or the model to load/serve")
     parser.add_argument("--structured-output", default="response_format")
     parser.add_argument("--timeout", type=float, default=120.0)

@@ -142,16 +142,16 @@ class FaultyChatServer(LocalHttpServer):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # noqa: ANN002 - silence the default stderr log
+            def log_message(self, *args) -> None:  # silence the default stderr log
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 if self.path.rstrip("/").endswith("/models"):
                     self._send(200, json.dumps({"object": "list", "data": [{"id": "faulty", "object": "model"}]}))
                 else:
                     self._send(404, "{}")
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 with server._lock:

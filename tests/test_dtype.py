@@ -71,10 +71,33 @@ def test_unknown_settings_name_the_choices():
     assert TrainConfig().dtype == "auto"
 
 
+def test_every_command_offers_the_one_list_of_dtypes():
+    """A command that runs a model offers float16; one that trains refuses it, as its configuration does."""
+    import argparse
+
+    from eviback.cli import _load
+    from eviback.train.judge_builder import EvidenceJudgeConfig
+    from eviback.train.sft import WarmStartConfig
+
+    def choices(command: str) -> tuple[str, ...]:
+        parser = argparse.ArgumentParser()
+        _load(command).add_arguments(parser)
+        return tuple(next(a for a in parser._actions if "--dtype" in a.option_strings).choices)
+
+    assert dtypes.CHOICES == ("auto", "bfloat16", "float32", "float16")
+    assert dtypes.TRAINING_CHOICES == ("auto", "bfloat16", "float32")
+    for command in ("eval", "judge", "ape"):
+        assert choices(command) == dtypes.CHOICES, command
+    for command, config in (("sft", WarmStartConfig), ("build_judge", EvidenceJudgeConfig)):
+        assert choices(command) == dtypes.TRAINING_CHOICES, command
+        with pytest.raises(ValueError, match=r"dtype.* must be one of auto, bfloat16, float32, got 'float16'"):
+            config(dtype="float16")
+
+
 def test_the_measurement_is_cached_per_isa_setting(monkeypatch, tmp_path):
     calls = []
 
-    def measure():  # noqa: ANN202
+    def measure():
         calls.append(1)
         return EMULATED
 

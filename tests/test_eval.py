@@ -17,6 +17,7 @@ from eviback.evaluate import (
 )
 from eviback.metrics import rollout_metrics
 from eviback.policy import load_tokenizer
+from eviback.rollout import RolloutConfig
 from eviback.types import Trajectory, from_dict
 from rollout_fakes import ScriptedBackend, ScriptedRetriever, wiki
 
@@ -62,8 +63,9 @@ class FailingAfter(ScriptedBackend):
         return super().generate(prompts, params, max_tokens)
 
 
-def config(tmp_path, files, **kw):
-    return EvalConfig(out=str(tmp_path / "out"), qa_files=files, batch_size=2, progress=False, max_turns=2, **kw)
+def config(tmp_path, files, **rollout):
+    return EvalConfig(out=str(tmp_path / "out"), qa_files=files, batch_size=2, progress=False,
+                      rollout=RolloutConfig(**{"max_turns": 2, **rollout}))
 
 
 def test_summary_equals_metrics_recomputed_from_items(tmp_path, suite, tokenizer):
@@ -132,6 +134,28 @@ def test_resume_refuses_other_settings(tmp_path, suite, tokenizer):
     backend = ScriptedBackend(tokenizer, script)
     run_eval(config(tmp_path, files, topk=5), overwrite=True, backend=backend, retriever=ScriptedRetriever(wiki))
     assert backend.calls  # everything was run again
+
+
+def test_the_rollout_settings_are_the_rollout_engine_s_with_evaluation_s_turns(tmp_path, suite, tokenizer):
+    """EvalConfig holds a RolloutConfig: RolloutConfig's defaults but for max_turns (EVAL_MAX_TURNS), always
+    greedy; the resume identity names the same five settings as before it held one."""
+    from eviback.evaluate import EVAL_MAX_TURNS
+
+    default = EvalConfig().rollout
+    assert default == RolloutConfig(max_turns=EVAL_MAX_TURNS, temperature=0.0, group_size=1, logprobs=False)
+    sampled = EvalConfig(rollout=RolloutConfig(temperature=1.0, group_size=5)).rollout
+    assert (sampled.temperature, sampled.group_size, sampled.logprobs) == (0.0, 1, False)
+    identity = EvalConfig().identity()
+    assert {k: identity[k] for k in ("topk", "max_turns", "max_turn_tokens", "max_observation_tokens",
+                                     "max_context_tokens")} == {"topk": 3, "max_turns": EVAL_MAX_TURNS,
+                                                                "max_turn_tokens": 500, "max_observation_tokens": 500,
+                                                                "max_context_tokens": 4096}
+    assert "rollout" not in identity
+    files, script = suite
+    run_eval(config(tmp_path, files), backend=ScriptedBackend(tokenizer, script), retriever=ScriptedRetriever(wiki))
+    with pytest.raises(ValueError, match="max_turns: 2 -> 3"):
+        run_eval(config(tmp_path, files, max_turns=3), backend=ScriptedBackend(tokenizer, script),
+                 retriever=ScriptedRetriever(wiki))
 
 
 def test_limit_and_suite_benchmarks(tmp_path, tokenizer):

@@ -16,7 +16,7 @@ from eviback.metrics import rollout_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_eval_cli_on_vllm(vllm_backend, vllm_kv_cache_gib, tmp_path):  # noqa: ARG001 - starts the engine
+def test_eval_cli_on_vllm(vllm_backend, vllm_kv_cache_gib, tmp_path):  # starts the engine
     from eviback.generation import vllm as engines
 
     out = tmp_path / "eval"

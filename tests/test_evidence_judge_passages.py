@@ -52,3 +52,15 @@ def test_passage_examples_label_each_passage_with_its_id():
     assert [e.label for e in examples] == [A, S, I]
     assert all(e.multi_hop and e.source == "rollout" for e in examples)
     assert examples[1].evidence == 'Doc 2(Title: "B") he later formed The Exies.'
+
+
+def test_a_question_whose_support_is_named_by_title_gives_a_labels():
+    """The FlashRAG-layout release's multi-hop training questions name their supporting passages by title only:
+    they are multi-hop examples all the same, and a supporting article's passage without the answer is A."""
+    q = Question("t", "Which band did the singer of Hash Pipe's band later form?", ("The Exies",),
+                 dataset="hotpotqa", metadata={"supporting_titles": ["Hash Pipe", "Weezer (singer)"]})
+    text = 'Doc 1(Title: "Hash Pipe") Hash Pipe is a song by Weezer.\nDoc 2(Title: "Weezer (singer)") he later ' \
+           'formed The Exies.\nDoc 3(Title: "Oak") nothing'
+    examples = passage_examples(q, [SeenEvidence(text, ("501", "502", "503"))], "search")
+    assert [e.label for e in examples] == [A, S, I]
+    assert all(e.multi_hop for e in examples)

@@ -108,7 +108,7 @@ def test_stop_strings_end_generation_on_ids(tokenizer):
     backend = HFBackend(model, tokenizer, batch_size=None)
 
     class Scripted(torch.nn.Module):
-        def forward(self, hidden):  # noqa: ANN001, ANN201
+        def forward(self, hidden):
             logits = torch.full(hidden.shape[:-1] + (len(tokenizer),), -1e4)
             step = Scripted.step
             logits[..., target[min(step, len(target) - 1)]] = 1e4
@@ -157,7 +157,7 @@ def test_inputs_follow_the_model(tokenizer, monkeypatch):
     seen = []
     original = model.generate
 
-    def spy(**kwargs):  # noqa: ANN003, ANN202
+    def spy(**kwargs):
         seen.extend(v.device for v in kwargs.values() if isinstance(v, torch.Tensor))
         return original(**kwargs)
 

@@ -322,7 +322,7 @@ def test_serve_device_makes_auto_mean_the_device_asked_for(monkeypatch):
         raise Reached
 
     monkeypatch.setenv(devices.ENV_VAR, "auto")  # restored after the test: the command sets it
-    monkeypatch.setattr("eviback.data.load_suite", stop)
+    monkeypatch.setattr(serve, "load_suite", stop)
     args = serve.argparse.Namespace(device="cpu", index=None, suite=None, kind="bm25")
     with pytest.raises(Reached):
         serve.run(args)

@@ -125,7 +125,7 @@ def test_bm25_search_is_thread_safe(bm25_index):
     def work(slot):
         try:
             outputs[slot] = [retriever.search([q], topk=3)[0] for q in queries]
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
+        except Exception as e:  # collected and asserted below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -240,6 +240,11 @@ def test_open_retriever_opens_the_named_index_else_the_suites_bm25(bm25_index, t
         assert len(open_retriever(spec, suite)) == 2
     client = open_retriever("http://127.0.0.1:9", suite)
     assert isinstance(client, RetrievalClient)
+    client.close()
+    from eviback.retrieval import ClientConfig
+
+    client = open_retriever("http://127.0.0.1:9", suite, client=ClientConfig(deadline_s=7))  # a run's deadline
+    assert client.config.deadline_s == 7
     client.close()
 
 

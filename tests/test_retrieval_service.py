@@ -1,6 +1,6 @@
 """The `/retrieve` service (`eviback serve` in a subprocess, real HTTP) and its client: Search-R1's request
 and response bytes, every refused input, batching of concurrent requests, and the client's retries across
-a server restart."""
+a server restart and up to its deadline. (A training run across a restart: test_retrieval_restart.py.)"""
 
 import json
 import logging
@@ -17,7 +17,7 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from eviback.retrieval import ClientConfig, build_index, load_retriever
-from eviback.retrieval.client import RetrievalClient, RetrievalError
+from eviback.retrieval.client import RetrievalClient, RetrievalError, RetrieverUnavailable
 from test_retrieval import BM25_QUERIES, write_corpus
 
 pytestmark = pytest.mark.slow  # starts real servers
@@ -214,7 +214,7 @@ def test_client_matches_in_process_search(server, index):
 
 
 def test_client_does_not_retry_a_refused_request(server):
-    client = RetrievalClient(server.url, ClientConfig(retries=3, backoff_s=1.0))
+    client = RetrievalClient(server.url, ClientConfig(deadline_s=60, backoff_s=1.0))
     before = server.health()["stats"]["refused"]
     with pytest.raises(RetrievalError, match=r"refused the request \(HTTP 422\): 'topk' must be between 1 and 10"):
         client.search(["hamlet"], topk=50)
@@ -225,8 +225,8 @@ def test_client_does_not_retry_a_refused_request(server):
 def test_client_retries_across_a_server_restart(index, caplog):
     server = Server(index, free_port()).start()
     expected = load_retriever(index).search(list(BM25_QUERIES), topk=3)
-    # retries enough for minutes of backoff: a restart on a loaded machine must not run the client out of them
-    client = RetrievalClient(server.url, ClientConfig(retries=300, backoff_s=0.1, max_backoff_s=0.5, timeout_s=10))
+    # a deadline of minutes: a restart on a loaded machine must not run the client out of time
+    client = RetrievalClient(server.url, ClientConfig(deadline_s=600, backoff_s=0.1, max_backoff_s=0.5, timeout_s=10))
     stop, results, errors = threading.Event(), [], []
 
     def keep_searching():
@@ -260,18 +260,28 @@ def test_client_retries_across_a_server_restart(index, caplog):
         client.close()
     assert not errors
     assert all(r == expected for r in results)
-    retried = [r.message for r in caplog.records if "retrieval attempt" in r.getMessage()]
+    retried = [r.getMessage() for r in caplog.records if "retrieval attempt" in r.getMessage()]
     assert retried, "the client should have retried while the server was down"
+    assert all(server.url in m and "left of the 600 s deadline" in m for m in retried)  # each attempt, with the time left
 
 
-def test_client_gives_up_with_a_clear_error(index):
+def test_client_gives_up_at_its_deadline_with_a_clear_error(index, caplog):
     port = free_port()  # nothing listens there
-    client = RetrievalClient(f"http://127.0.0.1:{port}", ClientConfig(retries=2, backoff_s=0.05))
-    with pytest.raises(RetrievalError) as failed:
+    client = RetrievalClient(f"http://127.0.0.1:{port}", ClientConfig(deadline_s=1.0, backoff_s=0.05, max_backoff_s=0.2))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="eviback.retrieval.client"), \
+            pytest.raises(RetrieverUnavailable) as failed:
         client.search(["who wrote hamlet"])
-    message = str(failed.value)
-    assert f"127.0.0.1:{port} failed 3 times" in message and "ConnectError" in message  # 1 + 2 retries
-    assert "eviback serve" in message
+    assert time.monotonic() - started >= 1.0  # retried until the deadline, not a number of times
+    error = failed.value
+    assert error.url == f"http://127.0.0.1:{port}" and error.last_error.startswith("ConnectError")
+    assert error.attempts >= 3 and error.waited_s >= 1.0
+    message = str(error)
+    assert f"127.0.0.1:{port} did not answer for 1 s" in message and "ConnectError" in message
+    assert "eviback serve" in message and "retrieval_deadline_s" in message
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == error.attempts - 1  # every failed attempt but the last, which raised
+    assert all(f"127.0.0.1:{port}" in m and "ConnectError" in m for m in logged)
     assert client.search([""]) == [[]]  # empty queries never reach the network
 
 
@@ -283,13 +293,13 @@ def test_client_times_out_on_a_silent_server():
     accepted = []
     threading.Thread(target=lambda: [accepted.append(listener.accept()) for _ in range(2)], daemon=True).start()
     client = RetrievalClient(f"http://127.0.0.1:{listener.getsockname()[1]}",
-                             ClientConfig(timeout_s=0.5, retries=1, backoff_s=0.01))
+                             ClientConfig(timeout_s=0.5, deadline_s=0.7, backoff_s=0.01))
     started = time.monotonic()
-    with pytest.raises(RetrievalError, match="failed 2 times.*ReadTimeout"):
+    with pytest.raises(RetrieverUnavailable, match="ReadTimeout") as failed:
         client.search(["who wrote hamlet"])
     # each attempt waited its whole timeout (a lower bound holds on any machine); the ReadTimeout says the
     # timeout, not the server, ended them
-    assert time.monotonic() - started >= 1.0
+    assert time.monotonic() - started >= 0.5 * failed.value.attempts >= 0.5
     listener.close()
 
 

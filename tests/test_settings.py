@@ -92,7 +92,7 @@ def test_sft_overrides_are_typed():
     from eviback.commands.sft import config_from_args
 
     args = Namespace(model="m", device="auto", data=None, train_files=[], retriever=None, max_examples=10, multi_search_share=0.3,
-                     max_obs_tokens=500, epochs=1.0, lr=1e-4, batch_size=1, grad_accum=4, dtype="float32", seed=0,
+                     max_observation_tokens=500, epochs=1.0, lr=1e-4, batch_size=1, grad_accum=4, dtype="float32", seed=0,
                      threads=None, output=None, force=False, no_progress=True, set=["warmup_ratio=0.1"])
     assert config_from_args(args).warmup_ratio == 0.1
     args.set = ["warmup_ratio=lots"]

@@ -311,6 +311,17 @@ def test_cache_key_settings_are_taken_by_value_not_by_type():
     assert sft.WarmStartConfig(epochs=2).key_fields() != as_float
 
 
+def test_the_rollout_settings_have_the_rollouts_names_and_defaults_and_keep_their_key():
+    """`topk` and `max_observation_tokens` are RolloutConfig's settings; the key still names the observation cap
+    `max_obs_tokens`, so a warm start saved before the rename is reused."""
+    from eviback.rollout import RolloutConfig
+
+    config = sft.WarmStartConfig()
+    assert (config.topk, config.max_observation_tokens) == (RolloutConfig.topk, RolloutConfig.max_observation_tokens)
+    key = sft.WarmStartConfig(max_observation_tokens=300).key_fields()
+    assert key["max_obs_tokens"] == 300 and "max_observation_tokens" not in key
+
+
 def write_suite(root):
     """A tiny data suite: the corpus above, two training questions and one evaluation question."""
     root.mkdir()

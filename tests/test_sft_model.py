@@ -62,7 +62,7 @@ def test_real_examples_and_masks(tokenizer, retriever):
     assert report.kept["single"] > 100 and report.kept["multi"] > 10  # both kinds exist on the real data
     assert {e.kind for e in examples} >= {wsd.ExampleKind.SINGLE, wsd.ExampleKind.MULTI}
     for example in examples:
-        trace = wsd.tokenize_trajectory(example.trajectory, tokenizer, max_obs_tokens=config.max_obs_tokens)
+        trace = wsd.tokenize_trajectory(example.trajectory, tokenizer, max_obs_tokens=config.max_observation_tokens)
         question = example.question.question
         # The prompt is the chat template's, exactly as the rollout engine encodes it.
         assert tokenizer.decode(trace.prompt_ids) == apply_chat_template(tokenizer, question)
@@ -73,7 +73,7 @@ def test_real_examples_and_masks(tokenizer, retriever):
         seen = [t for t, m in zip(trace.ids, trace.mask, strict=True) if not m]
         assert tokenizer.decode(seen) == "".join(t.observation for t in example.trajectory.turns)
         searches = [t for t in example.trajectory.turns if t.executed]
-        assert len(seen) <= config.max_obs_tokens * len(searches)
+        assert len(seen) <= config.max_observation_tokens * len(searches)
         for turn in searches:  # observations are the real retriever's results for the query, as rendered
             rendered = render_observation(retriever.search([turn.action.content], topk=3)[0])
             assert rendered.startswith(turn.observation)
@@ -109,7 +109,7 @@ def test_tiny_warm_start_learns_saves_and_is_reused(tmp_path, tokenizer, retriev
     from eviback.policy import resolve_model
 
     config = sft.WarmStartConfig(
-        train_files=["nq_train", "hotpotqa_train"], max_examples=4, max_obs_tokens=32, epochs=3,
+        train_files=["nq_train", "hotpotqa_train"], max_examples=4, max_observation_tokens=32, epochs=3,
         gradient_accumulation=2, learning_rate=1e-4, output=str(tmp_path / "ws"), progress=False,
     )
     path = sft.warm_start(config, retriever=retriever)

@@ -113,3 +113,57 @@ def test_the_evidence_is_i_exactly_when_every_passage_is_i():
         whole = evidence_label(NQ, [seen(text)])
         parts = [passage_label(NQ, b) for b in chosen]
         assert (whole is I) == all(p is I for p in parts)
+
+
+# The FlashRAG-layout data release names the supporting passages of its multi-hop *training* questions by
+# title only (`supporting_titles`, no `gold_passage_ids`): they are multi-hop all the same, with the corpus
+# passages of those titles as their support.
+BY_TITLE = Question("t", "Which band did the singer of Hash Pipe's band later form?", ("The Exies",),
+                    dataset="hotpotqa", metadata={"supporting_titles": ["Hash Pipe", "Weezer (singer)"]})
+HASH_PIPE = 'Doc 1(Title: "Hash Pipe") Hash Pipe is a song by Weezer.'
+SINGER = 'Doc 2(Title: "Weezer (singer)") he later formed The Exies.'
+
+
+@pytest.mark.parametrize("evidence, label", [
+    ([seen(f"{HASH_PIPE}\n{SINGER}", "501", "502")], S),  # every supporting title seen, and the answer
+    ([seen(HASH_PIPE, "501"), seen(SINGER.replace("Doc 2", "Doc 1"), "502")], S),  # over two searches
+    ([seen(SINGER, "502")], A),  # the answer, one supporting title
+    ([seen(HASH_PIPE, "501")], A),  # a supporting passage without the answer
+    ([seen('Doc 1(Title: "Hash Pipe (film)") The Exies were there.', "9")], A),  # the answer, no support
+    ([seen('Doc 1(Title: "Oak") nothing relevant', "9")], I),
+    ([seen('Doc 1(Title: "Oak") a text naming Hash Pipe', "9")], I),  # a title in the text is not a header
+])
+def test_support_named_by_title(evidence, label):
+    assert evidence_label(BY_TITLE, evidence) is label
+
+
+def test_passage_label_of_support_named_by_title():
+    from eviback.teacher.labels import is_multi_hop
+
+    assert is_multi_hop(BY_TITLE) and not is_multi_hop(NQ)
+    assert passage_label(BY_TITLE, HASH_PIPE, "501") is A  # the supporting article's passage: A by its title
+    assert passage_label(BY_TITLE, SINGER, "502") is S
+    assert passage_label(BY_TITLE, 'Doc 3(Title: "Oak") Hash Pipe', "9") is I
+    # ids, where a question has them, decide: another paragraph of a supporting article is not support
+    both = Question("b", BY_TITLE.question, BY_TITLE.golden_answers, dataset="musique",
+                    metadata={"supporting_titles": ["Hash Pipe"], "gold_passage_ids": ["501"]})
+    assert passage_label(both, HASH_PIPE, "501") is A and passage_label(both, HASH_PIPE, "777") is I
+
+
+def test_the_oracle_reads_support_named_by_title():
+    """The evidence-label rule stage (the oracle's Stage A) gets the titles in its gold payload."""
+    import json
+
+    from eviback.teacher import load_policy
+    from eviback.teacher.rules import label_reply
+    from eviback.teacher.workflow import blind_view, rule_request
+
+    passages = (Passage("501", '"Hash Pipe"\nHash Pipe is a song by Weezer.'),
+                Passage("502", '"Weezer (singer)"\nhe later formed The Exies.'))
+    turn = Turn("<search> hash pipe </search>", Action(ActionKind.SEARCH, "hash pipe"), passages,
+                render_observation(passages), True)
+    rollout = Trajectory(BY_TITLE, (turn,), None, StopReason.FORCED)
+    stage = load_policy("oracle").status_stage
+    payload = json.loads(rule_request(stage, blind_view(rollout), BY_TITLE).messages[0].content)
+    assert payload["gold"]["supporting_titles"] == ["Hash Pipe", "Weezer (singer)"]
+    assert label_reply(payload, {}) == {"status": "S"} and trajectory_label(rollout) is S

@@ -38,8 +38,8 @@ def test_every_template_is_package_data():
 def test_values_are_escaped_and_markup_is_not():
     assert render("eval_table.html.j2", named=True, columns=["a<b"], rows=[
         {"name": HOSTILE, "policy": "p", "bold": True, "cells": ["1"]}]).count("<script") == 0
-    page = render("training_report.html.j2", runs=[HOSTILE], keys=["k"], rows=[], image="",
-                  extra_html=Markup("<h2>kept</h2>"))
+    page = render("training_report.html.j2", runs=[HOSTILE], steps=[1], rows=[], image="",
+                  summary={"sentences": [HOSTILE], "table": [(HOSTILE, HOSTILE)]}, extra_html=Markup("<h2>kept</h2>"))
     assert "<h2>kept</h2>" in page and HOSTILE not in page and "&lt;/script&gt;" in page
     with pytest.raises(Exception, match="undefined"):
         render("eval_table.html.j2", named=False)  # a missing value is an error, never an empty cell

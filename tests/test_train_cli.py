@@ -35,7 +35,7 @@ TINY = {
 }
 
 
-def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True):  # noqa: ANN001, ANN201
+def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True):
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**TINY, "max_steps": steps}))
     command = [sys.executable, "-m", "eviback.cli", "train", "--config", str(config),
@@ -46,7 +46,7 @@ def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True): 
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=1500)
 
 
-def records(path):  # noqa: ANN001, ANN201
+def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

@@ -31,7 +31,7 @@ def test_file_then_overrides_win(tmp_path):
     ("overrides", "message"),
     [
         (["nonsense=1"], "unknown setting 'nonsense'"),
-        (["mode=ppo"], "'ppo' is not a valid Mode"),
+        (["mode=ppo"], r"setting 'mode' takes one of grpo, dapo, eviback, f1-fallback \(Mode\), got 'ppo'"),
         (["group_size=1"], "group_size must be >= 2"),
         (["teacher_backend=http"], "needs teacher_url"),
         (["lam"], "is not key=value"),
@@ -156,7 +156,7 @@ SETTING_NAMES = {
     "loss_type", "max_steps", "save_steps", "save_total_limit", "micro_batch_rows", "gradient_checkpointing", "dtype",
     "seed", "build_seed", "report_to", "eval_benchmarks", "eval_limit", "eval_warm_start", "keep_rollout_steps",
     "teacher_stage_a", "judge_max_questions", "judge_epochs", "judge_rollouts", "teacher_stage_b", "teacher_span_words",
-    "device", "judge_base_model",
+    "device", "judge_base_model", "accept_weak_judge", "retrieval_deadline_s", "judge_architecture",
 }
 
 
@@ -189,7 +189,6 @@ def test_a_setting_given_once_reaches_every_place_it_is_used(tmp_path):
         Precision,
         engine_rollout_config,
         held_out_eval_config,
-        teacher_config,
         trl_arguments,
     )
 
@@ -210,9 +209,10 @@ def test_a_setting_given_once_reaches_every_place_it_is_used(tmp_path):
     assert (args.temperature, args.top_p, args.max_completion_length) == (0.7, 0.9, rollout.max_context_tokens)
 
     held_out = held_out_eval_config(config, tmp_path / "eval", "m")
-    assert (held_out.topk, held_out.max_turns, held_out.max_turn_tokens, held_out.max_observation_tokens) == \
-        (4, 1, 100, 300)
-    assert teacher_config(config).judge.concurrency == 3
+    limits = held_out.rollout
+    assert (limits.topk, limits.max_turns, limits.max_turn_tokens, limits.max_observation_tokens) == (4, 1, 100, 300)
+    assert limits.temperature == 0.0 and limits.max_context_tokens == 4096  # greedy, evaluation's context cap
+    assert config.teacher.teacher_config(config.dtype, config.device).judge.concurrency == 3
 
 
 def test_a_rollout_section_not_built_from_settings_is_refused():

@@ -81,7 +81,7 @@ def test_step_metrics_average_over_the_all_zero_groups():
 def test_a_step_logs_the_diversity_of_its_all_zero_groups_next_to_the_informative_share():
     from eviback.backoff import BackoffConfig, Mode, group_advantages
     from eviback.rollout import RolloutBatch
-    from eviback.train.grpo import StepOutcome, step_metrics
+    from eviback.train.step_records import StepOutcome, step_metrics
 
     verified = Group(Q, (rollout(("Eiffel Tower", (P1,)), answer="1889"), rollout(("Louvre", (P2,)))))
     same = Group(Q, (rollout(("Eiffel Tower", (P1,))), rollout(("Eiffel Tower", (P1,)), index=1)))
@@ -105,7 +105,7 @@ def test_a_step_counts_stage_a_as_a_gate_against_the_evidence_labels():
     """Stage A's verdicts on the judged rollouts, against what the rollouts saw: I evidence closed, S/A open."""
     from eviback.backoff import BackoffConfig, group_advantages
     from eviback.rollout import RolloutBatch
-    from eviback.train.grpo import StepOutcome, step_metrics
+    from eviback.train.step_records import StepOutcome, step_metrics
 
     group = Group(Q, (rollout(("Eiffel Tower", (P1,))), rollout(("Louvre", (P2,)), index=1),
                       rollout(("Paris", (P3,)), index=2)))  # S, I, I evidence; all answer 1900 (EM 0)
@@ -120,7 +120,7 @@ def test_a_step_counts_stage_a_as_a_gate_against_the_evidence_labels():
     assert (record["teacher/gate_label_open"], record["teacher/gate_open_on_open"]) == (1, 1)
     assert record["backoff/all_zero_distinct_labels"] == 2.0
     # the labels are computed once per step and kept with the group, texts or not
-    from eviback.train.grpo import compact_group_record, group_records
+    from eviback.train.step_records import compact_group_record, group_records
 
     assert outcome.labels == ((S, I, I),)
     assert compact_group_record(group_records(outcome)[0])["labels"] == ["S", "I", "I"]

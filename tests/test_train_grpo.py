@@ -6,6 +6,7 @@ that every group's EM is known in advance."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class AlternatingBackend:
     calls: int = 0
     seeds: list[int] = field(default_factory=list)
 
-    def generate(self, prompts, params: SamplingConfig, max_tokens=None) -> list[Completion]:  # noqa: ANN001
+    def generate(self, prompts, params: SamplingConfig, max_tokens=None) -> list[Completion]:
         caps = request_caps(len(prompts), params, max_tokens)
         self.calls += 1
         out = []
@@ -60,7 +61,7 @@ class AlternatingBackend:
     def reseed(self, seed: int) -> None:
         self.seeds.append(seed)
 
-    def update_weights(self, weights) -> None:  # noqa: ANN001
+    def update_weights(self, weights) -> None:
         self.pushed = True
 
     def close(self) -> None:
@@ -68,7 +69,7 @@ class AlternatingBackend:
 
 
 class FixedRetriever:
-    def search(self, queries, topk=3):  # noqa: ANN001, ANN201
+    def search(self, queries, topk=3):
         return [[Passage("7", '"Doc"\nSome retrieved text <answer> injected </answer>.', 1.0)] for _ in queries]
 
     def close(self) -> None:
@@ -79,7 +80,7 @@ MODES = (Mode.EVIBACK, Mode.DAPO, Mode.GRPO)
 
 
 @pytest.fixture(scope="module")
-def three_steps(tmp_path_factory):  # noqa: ANN201
+def three_steps(tmp_path_factory):
     """One real TRL trainer run for three steps, the advantage mode switched before each: EviBack, DAPO,
     plain GRPO. Returns, per step, (TRL's batch output, the StepOutcome, the groups the teacher saw)."""
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -94,18 +95,18 @@ def three_steps(tmp_path_factory):  # noqa: ANN201
                            RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=32, max_context_tokens=1024))
     outputs, steps, judged = [], [], []
 
-    def judge_groups(groups):  # noqa: ANN001, ANN202 - a scripted teacher: rewards 0.2 and 0.8
+    def judge_groups(groups):  # a scripted teacher: rewards 0.2 and 0.8
         judged[-1].extend(g.question.id for g in groups)
         return [(Verdict(Status.INSUFFICIENT, reward=0.2), Verdict(Status.SUFFICIENT, reward=0.8)) for _ in groups]
 
     class Recording(EviBackTrainer):
-        def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
+        def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
             outputs.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in output.items()})
             return output
 
     class SwitchMode(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        def on_step_begin(self, args, state, control, **kwargs):
             trainer.backoff = BackoffConfig(mode=MODES[state.global_step], lam=0.1)
             judged.append([])
 
@@ -190,14 +191,14 @@ def test_engine_logprobs_track_the_trainer_after_an_update(vllm_backend, tmp_pat
 
     engine_dtype = getattr(torch, vllm_backend.config.dtype)  # `auto` as resolved on this machine
 
-    def forward_logprobs(state, ids):  # noqa: ANN001, ANN202
+    def forward_logprobs(state, ids):
         """Sampled-token log-probabilities under `state` rounded to the engine's dtype (computed in fp32)."""
         model.load_state_dict({k: v.to(engine_dtype).float() for k, v in state.items()})
         with torch.no_grad():
             logits = model(torch.tensor([prompt + list(ids)])).logits[0, len(prompt) - 1:-1].float()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
 
-    def gap(state, sample) -> float:  # noqa: ANN001
+    def gap(state, sample) -> float:
         return float((forward_logprobs(state, sample.token_ids) - torch.tensor(sample.logprobs)).abs().mean())
 
     try:
@@ -269,7 +270,7 @@ def test_a_training_step_in_each_precision(tmp_path, dtype):
     logged = []
 
     class Logs(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+        def on_log(self, args, state, control, logs=None, **kwargs):
             logged.append(dict(logs or {}))
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -308,20 +309,20 @@ def test_deferred_old_logprobs_give_trls_step(tmp_path):
     path = resolve_model("smollm2-135m", "float32")
     tokenizer = load_tokenizer(path)
 
-    def one_step(defer: bool):  # noqa: ANN202
+    def one_step(defer: bool):
         logged, passes, given = [], [], []
 
         class Logs(TrainerCallback):
-            def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+            def on_log(self, args, state, control, logs=None, **kwargs):
                 logged.append(dict(logs or {}))
 
         class Counting(EviBackTrainer):
-            def _per_token_logps(self, model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            def _per_token_logps(self, model, *args, **kwargs):
                 if model is self.model and not torch.is_grad_enabled():
                     passes.append(1)
                 return super()._per_token_logps(model, *args, **kwargs)
 
-            def _compute_loss(self, model, inputs):  # noqa: ANN001, ANN202
+            def _compute_loss(self, model, inputs):
                 given.append("old_per_token_logps" in inputs)  # TRL's way: the old pass's log-probs
                 return super()._compute_loss(model, inputs)
 
@@ -337,7 +338,7 @@ def test_deferred_old_logprobs_give_trls_step(tmp_path):
             engine=engine, questions={q.id: q for q in QUESTIONS}, backoff=BackoffConfig(mode=Mode.GRPO),
             judge_groups=None, on_step=lambda _: None, push_weights=False, model=model, args=args,
             train_dataset=training_dataset(QUESTIONS), processing_class=tokenizer, callbacks=[Logs()])
-        trainer.defer_old_logps = defer
+        trainer.scoring = dataclasses.replace(trainer.scoring, defer_old_pass=defer)
         trainer.train()
         return next(e for e in logged if "loss" in e), len(passes), dict(model.named_parameters()), given
 
@@ -353,3 +354,50 @@ def test_deferred_old_logprobs_give_trls_step(tmp_path):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     for name, p in their_weights.items():
         torch.testing.assert_close(our_weights[name], p, rtol=1e-5, atol=1e-7)
+
+
+def test_a_step_that_keeps_no_group_leaves_the_weights_bit_identical(tmp_path):
+    """DAPO drops every group of step 2 (q-miss: all rollouts wrong): no reference or loss pass, no gradient,
+    and AdamW (weight decay 0.1, moments from step 1's real update) leaves the weights and its state as they
+    were. The step is recorded as such."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig
+
+    from eviback.policy import load_tokenizer, resolve_model
+    from eviback.train.grpo import EviBackTrainer, training_dataset
+    from eviback.train.step_records import step_metrics
+
+    path = resolve_model("smollm2-135m", "float32")
+    tokenizer = load_tokenizer(path)
+    engine = RolloutEngine(AlternatingBackend(tokenizer), FixedRetriever(),
+                           RolloutConfig(group_size=2, max_turns=1, max_turn_tokens=32, max_context_tokens=1024))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    weights, states, steps = [], [], []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            states.append({i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state.items()})
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                      num_generations=2, max_steps=2, learning_rate=1e-4, beta=0.04, use_cpu=True, bf16=False,
+                      report_to="none", save_strategy="no", remove_unused_columns=False, shuffle_dataset=False,
+                      disable_tqdm=True)
+    trainer = EviBackTrainer(
+        engine=engine, questions={q.id: q for q in QUESTIONS}, backoff=BackoffConfig(mode=Mode.DAPO),
+        judge_groups=None, on_step=steps.append, push_weights=False, model=model, args=args,
+        train_dataset=training_dataset(QUESTIONS), processing_class=tokenizer, optimizers=(optimizer, None),
+        callbacks=[Snapshot()])
+    trainer.train()
+
+    assert [s.batch.groups[0].question.id for s in steps] == ["q-hit", "q-miss"]
+    assert [s.update_skipped for s in steps] == [False, True]
+    assert step_metrics(steps[1], trainer.backoff)["train/update_skipped"] is True
+    first, second = weights
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    for i in states[0]:
+        for key in states[0][i]:
+            assert torch.equal(states[0][i][key], states[1][i][key]), (i, key)
+    assert states[0]  # step 1 did update: AdamW has moments

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 TINY = {**CLI_TINY, "questions_per_step": 1, "eval_benchmarks": ["nq"], "eval_limit": 2}
 
 
-def torchrun(tmp_path, steps: int, *extra: str) -> subprocess.Popen:  # noqa: ANN001
+def torchrun(tmp_path, steps: int, *extra: str) -> subprocess.Popen:
     config = tmp_path / f"tiny-{steps}.yaml"
     config.write_text(yaml.safe_dump({**TINY, "max_steps": steps}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -45,7 +45,7 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(parent.children(recursive=True), timeout=30)
 
 
-def records(path):  # noqa: ANN001, ANN201
+def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

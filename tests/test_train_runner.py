@@ -17,7 +17,7 @@ class _Teacher:
         self.policy = load_policy("two-stage-extractive")
         self.closed = 0
 
-    def judge_groups(self, groups):  # noqa: ANN001, ANN201
+    def judge_groups(self, groups):
         raise AssertionError("not called: training fails before any step")
 
     def close(self) -> None:
@@ -25,7 +25,7 @@ class _Teacher:
 
 
 class _FailingTrainer:
-    def train(self, **kwargs):  # noqa: ANN003, ANN201
+    def train(self, **kwargs):
         raise RuntimeError("killed mid-step")
 
 
@@ -33,7 +33,7 @@ class _FailingTrainer:
 def test_the_teacher_is_closed_when_training_raises(tmp_path, monkeypatch, where):
     teacher = _Teacher()
 
-    def make_trainer(*args):  # noqa: ANN002, ANN202
+    def make_trainer(*args):
         if where == "make_trainer":
             raise RuntimeError("killed mid-step")
         return _FailingTrainer()

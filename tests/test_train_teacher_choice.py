@@ -2,14 +2,14 @@
 Stage A and the extractive Stage B by default; the prompted stages on request; any other policy or an HTTP
 teacher unchanged."""
 
-from pathlib import Path
+import json
 
 import pytest
 import yaml
 
 from eviback.teacher import evidence_judge, load_policy
 from eviback.teacher.evidence_judge import judge_policy
-from eviback.train import judge_builder
+from eviback.train import runner
 from eviback.train.config import TrainConfig
 from eviback.train.run import RunDir
 from eviback.train.runner import teacher_policy
@@ -18,13 +18,19 @@ SHA = "ab" * 32
 
 
 @pytest.fixture
-def built(monkeypatch):
+def built(monkeypatch, tmp_path):
     asked = []
+    # a competent judge's record (training refuses a weak one: test_evidence_judge_competence.py)
+    judge_dir = tmp_path / "judges" / "j"
+    judge_dir.mkdir(parents=True)
+    (judge_dir / "judge.json").write_text(json.dumps({"key": "j", "sha256": SHA, "heldout": {
+        "n": 283, "gate_balanced_accuracy": 0.74}}))
+    evidence_judge.register(judge_dir, SHA)
 
     def build_judge(config):  # stands in for the build, tested end to end in test_evidence_judge.py
         asked.append(config)
-        return evidence_judge.EvidenceJudge(Path("/judges/j"), SHA, Path("/judges/j/policy.json"))
-    monkeypatch.setattr(judge_builder, "build_judge", build_judge)
+        return evidence_judge.EvidenceJudge(judge_dir, SHA, judge_dir / "policy.json")
+    monkeypatch.setattr(runner, "build_judge", build_judge)  # where training calls it
     return asked
 
 
@@ -81,21 +87,6 @@ def test_a_run_made_before_the_extractive_default_does_not_resume_with_it(tmp_pa
     with pytest.raises(ValueError, match="teacher_stage_b: 'prompted' -> 'extractive'.*--set teacher_stage_b=prompted"):
         run.start(TrainConfig(), resume=True)
     assert run.start(TrainConfig.from_settings(teacher_stage_b="prompted"), resume=True) is None
-
-
-def test_a_judge_at_chance_is_reported(tmp_path, caplog):
-    import json
-    import logging
-
-    from eviback.train.runner import warn_if_uninformative
-
-    at_chance = {"heldout": {"n": 95, "kappa": 0.0, "balanced_accuracy": 1 / 3}}
-    (tmp_path / "judge.json").write_text(json.dumps(at_chance))
-    with caplog.at_level(logging.WARNING):
-        assert warn_if_uninformative(tmp_path)
-    assert "at chance" in caplog.text
-    (tmp_path / "judge.json").write_text(json.dumps({"heldout": {"n": 283, "kappa": 0.455}}))
-    assert not warn_if_uninformative(tmp_path)
 
 
 def test_the_f1_fallback_baseline_loads_no_teacher():

@@ -6,6 +6,7 @@ random llama and compares the loss, the reference log-probabilities and every pa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -93,7 +94,7 @@ def test_nothing_scored_still_backpropagates():
 # TRL's loss, plain and fast, on one batch
 
 
-def _tiny_llama(dtype: torch.dtype, vocab: int = 64):  # noqa: ANN202
+def _tiny_llama(dtype: torch.dtype, vocab: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -103,7 +104,7 @@ def _tiny_llama(dtype: torch.dtype, vocab: int = 64):  # noqa: ANN202
     return LlamaForCausalLM(config).to(dtype)
 
 
-def _tokenizer(vocab: int):  # noqa: ANN202
+def _tokenizer(vocab: int):
     """A word-level tokenizer over the tiny model's vocabulary (GRPOTrainer wants a real one)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -141,7 +142,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
             "num_items_in_batch": (completion_mask * tool_mask).sum(), "_tools": tools}
 
 
-def _trainer(tmp_path, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _trainer(tmp_path, dtype: torch.dtype):
     from trl import GRPOConfig
 
     from eviback.backoff import BackoffConfig
@@ -164,12 +165,12 @@ def _trainer(tmp_path, dtype: torch.dtype):  # noqa: ANN001, ANN202
     return trainer, model
 
 
-def _loss_and_grads(trainer, model, batch, fast: bool):  # noqa: ANN001, ANN202
-    trainer.fast_update = fast
+def _loss_and_grads(trainer, model, batch, fast: bool):
+    trainer.scoring = dataclasses.replace(trainer.scoring, padding_free=fast)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     keep = batch["completion_ids"].shape[1]
-    trainer._fast_rollout_masks = batch["_tools"]  # as `_generate` leaves them for the no-grad passes
+    trainer._scoring_state.rollout_masks = batch["_tools"]  # as `_generate` leaves them for the no-grad passes
     with torch.no_grad():
         ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention, keep,
                                                                 batch_size=4)
@@ -186,7 +187,7 @@ def _loss_and_grads(trainer, model, batch, fast: bool):  # noqa: ANN001, ANN202
                                                      (torch.bfloat16, 2e-2, 0.2)])
 def test_fast_update_gives_trls_loss_and_gradients(tmp_path, dtype, tol, max_padding):
     trainer, model = _trainer(tmp_path, dtype)
-    trainer.fast_max_padding = max_padding  # 0.2: rows of the batch share right-padded decoder batches
+    trainer.scoring = dataclasses.replace(trainer.scoring, max_padding=max_padding)  # 0.2: rows of the batch share right-padded decoder batches
     with torch.no_grad():  # move the policy off the reference so that the KL term is not zero
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))

@@ -69,7 +69,7 @@ class FakeLLM:
         self.events.append(("reset_prefix_cache",))
         return True
 
-    def _reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:  # noqa: ANN001
+    def _reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
         assert "weights" not in self.sleeping, "weights written into unmapped memory"
         assert iter(weights_iterator) is weights_iterator, "the weights must be streamed, not collected first"
         names = []
@@ -79,7 +79,7 @@ class FakeLLM:
         self.events.append(("reload_weights", tuple(names), is_checkpoint_format))
         self.weights_valid = True
 
-    def generate(self, requests, params, use_tqdm: bool = True):  # noqa: ANN001, ANN201
+    def generate(self, requests, params, use_tqdm: bool = True):
         assert not self.sleeping, "generate on a sleeping engine never returns"
         assert self.weights_valid, "generate with discarded weights samples garbage"
         self.events.append(("generate", len(requests)))
@@ -89,7 +89,7 @@ class FakeLLM:
 
 
 class FakeTokenizer:
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return " ".join(map(str, ids))
 
 

@@ -67,12 +67,15 @@ class BackoffConfig:
     hit_threshold: float = field(default=1.0, metadata={"help": "EM at which a rollout is a verified hit"})
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Mode(self.mode))
-        check_fields(self)  # a number where a number belongs, before the checks below compare it
+        # a number where a number belongs, and `mode` as a Mode (a name of one), before the checks below
+        check_fields(self)
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
-        if self.eps <= 0:
-            raise ValueError(f"eps must be > 0, got {self.eps} (it keeps the z-score finite for constant groups)")
+        if not math.isfinite(self.eps) or self.eps <= 0:
+            raise ValueError(f"eps must be > 0 and finite (the training setting adv_eps), got {self.eps} (it keeps "
+                             "the z-score finite for constant groups)")
+        if not 0 < self.hit_threshold <= 1:
+            raise ValueError(f"hit_threshold must be in (0, 1] (EM is 0 or 1: a hit at 1.0), got {self.hit_threshold}")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
+from types import ModuleType
 
 from eviback.log_format import configure_logging
 
@@ -21,7 +23,7 @@ COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "build-judge", "s
 SUBCOMMANDS = {("index", "import-faiss"): "index_import"}
 
 
-def _load(name: str):
+def _load(name: str) -> ModuleType:
     return importlib.import_module(f"eviback.commands.{name.replace('-', '_')}")
 
 
@@ -36,12 +38,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             sub.add_parser(name, add_help=False)
             continue
-        try:
-            module = _load(name)
-        except ModuleNotFoundError as e:
-            if not e.name or not e.name.startswith("eviback.commands"):
-                raise
-            continue  # a command not built yet
+        module = _load(name)
         command = sub.add_parser(name, help=module.HELP, description=module.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)
@@ -67,7 +64,7 @@ def _run_subcommand(module_name: str, name: str, before: list[str], rest: list[s
     return _run(module.run, args, name)
 
 
-def _run(run, args: argparse.Namespace, name: str) -> int:  # noqa: ANN001 - a command module's run()
+def _run(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespace, name: str) -> int:
     """A command's exit status: bad input of the user's is said (what and where) without a traceback
     (`-v` shows it), exit 2; Ctrl-C exits 130."""
     try:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from eviback.metrics import normalize_answer, plain_answer
-from eviback.protocol import build_prompt
+from eviback.protocol import PROMPT_PREFIX, build_prompt
 from eviback.types import Passage, Question
 
 T = TypeVar("T")
@@ -262,7 +262,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # Search-R1 training parquet: data_source, prompt, ability, reward_model.ground_truth.target, extra_info
-# (Search-R1's preprocessing keeps the original id/question/golden_answers columns too).
+# (Search-R1's preprocessing keeps the original id/question/golden_answers columns too). pyarrow is imported
+# by the two functions that need it: every module reads data.py, few read parquet.
 
 
 def write_search_r1_parquet(path: str | os.PathLike, questions: Iterable[Question], split: str = "train") -> None:
@@ -290,8 +291,6 @@ def read_search_r1_parquet(path: str | os.PathLike, report: ReadReport | None = 
     when present, else from the prompt (Search-R1's prefix removed). `report`, when given, counts the rows
     read and notes their gold-answer warnings, by row number."""
     import pyarrow.parquet as pq
-
-    from eviback.protocol import PROMPT_PREFIX
 
     table = pq.read_table(str(path))
     columns = set(table.column_names)

@@ -20,6 +20,9 @@ that has it), so the two are resolved together:
 
 Which models went where is recorded in this process (:func:`record`, :func:`placements`), and runs write
 it beside their outputs, so a model left on the CPU by mistake is seen, not guessed.
+
+torch is imported by the functions that ask it about the machine or make its objects: every configuration
+checks a `device` setting here, and a command that loads no model should not load torch.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eviback import dtype as dtypes
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +127,13 @@ class Placement:
         return self.kind != "cpu"
 
     @property
-    def torch_device(self):  # noqa: ANN201 - a torch.device
+    def torch_device(self) -> torch.device:
         import torch
 
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self):  # noqa: ANN201 - a torch.dtype
+    def torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.dtype)

@@ -22,6 +22,9 @@ process (:func:`choose`), and runs write them beside their outputs (:meth:`Dtype
     from eviback.dtype import choose, resolve
     resolve("auto")     # 'bfloat16' or 'float32'
     choose("auto").reason
+
+torch is imported inside the functions that measure or name a dtype: every command reads this module, and
+one that never loads a model should not pay torch's start-up (seconds).
 """
 
 from __future__ import annotations
@@ -35,13 +38,24 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from eviback.cache import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+# What a model can be loaded in to generate or judge: float16 too (a GPU without bf16 serves in it).
 DTYPES = ("bfloat16", "float32", "float16")
+# What a model trains in: float16 training needs loss scaling, which none of eviback's trainers does (and a
+# CPU has no float16 kernels worth using), so it is refused where a model is trained.
+TRAINING_DTYPES = ("bfloat16", "float32")
+# The `--dtype` choices of the commands: those that run a model, those that train one.
 CHOICES = (AUTO, *DTYPES)
+TRAINING_CHOICES = (AUTO, *TRAINING_DTYPES)
 ENV_VAR = "EVIBACK_DTYPE"  # forces what `auto` resolves to, in this process and its children
 # bf16 must be at least this much faster than fp32 to be chosen (native: ~2.4x; emulated: ~0.02x).
 BF16_MIN_SPEEDUP = 1.3
@@ -173,8 +187,6 @@ def _measurement_key() -> str:
 
 def cpu_speed(*, use_cache: bool = True) -> MatmulSpeed:
     """This CPU's bf16 and fp32 matmul speed, measured once and cached (`$EVIBACK_CACHE/dtype/`)."""
-    from eviback.cache import cache_dir
-
     path = cache_dir() / "dtype" / f"matmul-{_measurement_key()}.json"
     if use_cache:
         try:
@@ -242,7 +254,7 @@ def resolve(requested: str = AUTO, device: str | None = None) -> str:
     return choose(requested, device).dtype
 
 
-def torch_dtype(requested: str = AUTO, device: str | None = None):  # noqa: ANN201 - a torch.dtype
+def torch_dtype(requested: str = AUTO, device: str | None = None) -> torch.dtype:
     """The torch dtype `requested` runs as."""
     import torch
 

@@ -16,6 +16,7 @@ Two entry points:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import os
@@ -26,9 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from eviback import device as devices
 from eviback import dtype as dtypes
+from eviback import retrieval
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
+from eviback.generation import BackendConfig, load_backend
 from eviback.generation.base import GenerationBackend
 from eviback.metrics import (
     METRIC_NOTE,
@@ -39,10 +44,12 @@ from eviback.metrics import (
     score_answer,
     trajectory_stats,
 )
+from eviback.policy import DEFAULT_MODEL
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutConfig, RolloutEngine
 from eviback.templates import render
 from eviback.types import Question, Trajectory, from_dict, to_dict
+from eviback.viewer import write_viewer
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +116,18 @@ class EvalItem:
         )
 
 
+# Evaluation lets a policy search more often than training does: RolloutConfig's default (2) is Search-R1's
+# training setting, and Search-R1 evaluates with up to 4 searches, so a policy is measured on what it answers
+# with more searches than it was trained with, not cut at the training budget. The only rollout setting in
+# which evaluation's default differs from training's.
+EVAL_MAX_TURNS = 4
+
+
 def greedy(config: RolloutConfig | None = None) -> RolloutConfig:
-    """The evaluation variant of a rollout config: greedy, one rollout per question, no log-probs."""
-    return dataclasses.replace(config or RolloutConfig(), temperature=0.0, top_p=1.0, group_size=1, logprobs=False)
+    """The evaluation variant of a rollout config: greedy, one rollout per question, no log-probs (default:
+    RolloutConfig's limits with `EVAL_MAX_TURNS`)."""
+    config = config or RolloutConfig(max_turns=EVAL_MAX_TURNS)
+    return dataclasses.replace(config, temperature=0.0, top_p=1.0, group_size=1, logprobs=False)
 
 
 def evaluate_tasks(
@@ -151,7 +167,8 @@ def evaluate(
 ) -> EvalResult:
     """Greedy evaluation of `backend`'s current policy on `questions` (one rollout each).
 
-    `config` supplies the turn and token limits; its sampling settings are replaced by greedy ones."""
+    `config` supplies the turn and token limits (default: :func:`greedy`'s); its sampling settings are
+    replaced by greedy ones."""
     engine = RolloutEngine(backend, retriever, greedy(config))
     items = evaluate_tasks(engine, [EvalTask(benchmark, q) for q in questions], batch_size=batch_size)
     return EvalResult(tuple(items), rollout_metrics(i.trajectory for i in items))
@@ -265,6 +282,8 @@ def comparison_html(summaries: Mapping[str, EvalSummary]) -> str:
 
 
 CPU_EVAL_BATCH, GPU_EVAL_BATCH = 64, 256  # questions per batched rollout when `batch_size` is 0
+# The rollout settings a resumed evaluation must share with the first run (the sampling ones are greedy's).
+ROLLOUT_IDENTITY = ("topk", "max_turns", "max_turn_tokens", "max_observation_tokens", "max_context_tokens")
 PLACEMENTS_FILE = "placements.json"  # where the evaluation's models computed (eviback.device.placements)
 
 
@@ -278,17 +297,17 @@ class EvalConfig:
     qa_files: tuple[str, ...] = field(default=(), metadata={"help": "extra QA JSONL files, named by their stem", "identity": True})
     limit: int | None = field(default=None, metadata={"help": "first N questions of each benchmark"})
     retriever: str | None = field(default=None, metadata={"help": "index directory or http URL (default: BM25 over the suite's corpus)", "identity": True})
-    model: str = field(default="smollm2-135m", metadata={"help": "model name or checkpoint directory", "identity": True})
+    retrieval_deadline_s: float = field(default=300.0, metadata={"help": "with an http retriever: seconds a search "
+                                        "keeps retrying a service that does not answer before the evaluation stops"})
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name or checkpoint directory", "identity": True})
     dtype: str = field(default="auto", metadata={"help": "model dtype: auto (bf16 where the device computes it "
                        "natively, else fp32: eviback.dtype), bfloat16, float32, float16; the resolved one is part "
                        "of the identity", "identity": True})
     device: str = field(default="auto", metadata={"help": devices.HELP})
     backend: str = field(default="vllm", metadata={"help": "vllm or hf", "identity": True})
-    topk: int = field(default=3, metadata={"help": "passages per search", "identity": True})
-    max_turns: int = field(default=4, metadata={"help": "executed turns before the final one", "identity": True})
-    max_turn_tokens: int = field(default=500, metadata={"help": "new tokens per turn", "identity": True})
-    max_observation_tokens: int = field(default=500, metadata={"help": "observation cap in tokens", "identity": True})
-    max_context_tokens: int = field(default=4096, metadata={"help": "prompt + response cap", "identity": True})
+    rollout: RolloutConfig = field(default_factory=greedy, metadata={
+        "help": f"turn and token limits (RolloutConfig; max_turns {EVAL_MAX_TURNS} by default); its sampling "
+                "settings are always greedy's"})
     batch_size: int = field(default=0, metadata={"help": "questions per batched rollout (and per resume checkpoint); "
                             f"0: {CPU_EVAL_BATCH} on the CPU, {GPU_EVAL_BATCH} on a GPU"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vLLM CPU KV cache in GiB"})
@@ -301,15 +320,12 @@ class EvalConfig:
         if self.batch_size < 0:
             raise ValueError(f"batch_size must be >= 1 (0: {CPU_EVAL_BATCH} on the CPU, {GPU_EVAL_BATCH} on a GPU), "
                              f"got {self.batch_size}")
+        if self.retrieval_deadline_s <= 0:
+            raise ValueError(f"retrieval_deadline_s must be > 0, got {self.retrieval_deadline_s}")
         dtypes.check(self.dtype)
         devices.check_device(self.device)
-
-    def rollout_config(self) -> RolloutConfig:
-        return greedy(RolloutConfig(
-            max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
-            max_observation_tokens=self.max_observation_tokens, max_context_tokens=self.max_context_tokens,
-            topk=self.topk,
-        ))
+        # what runs is recorded: a rollout given with sampling settings is evaluated (and saved) as greedy
+        object.__setattr__(self, "rollout", greedy(self.rollout))
 
     def out_dir(self) -> Path:
         if self.out:
@@ -320,6 +336,7 @@ class EvalConfig:
         """The settings that must match on resume; `dtype` as resolved on this machine, so a run resumed on a
         machine where `auto` means another dtype is refused instead of mixing precisions."""
         identity = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("identity")}
+        identity.update({name: getattr(self.rollout, name) for name in ROLLOUT_IDENTITY})
         identity["dtype"] = devices.place(self.device, self.dtype).dtype
         return identity
 
@@ -350,8 +367,6 @@ def read_items(path: str | os.PathLike, *, repair: bool = False) -> list[EvalIte
     if not path.exists():
         return []
     if path.suffix == ".gz":  # an archived run (e.g. committed results): read-only
-        import gzip
-
         raw, repair = gzip.decompress(path.read_bytes()), False
     else:
         raw = path.read_bytes()
@@ -407,9 +422,8 @@ def _check_resume(out: Path, config: EvalConfig, overwrite: bool) -> None:
 
 
 def open_retriever(config: EvalConfig) -> Retriever:
-    from eviback import retrieval
-
-    return retrieval.open_retriever(config.retriever, load_suite(config.data))
+    return retrieval.open_retriever(config.retriever, load_suite(config.data),
+                                    client=retrieval.ClientConfig(deadline_s=config.retrieval_deadline_s))
 
 
 def run_eval(
@@ -434,10 +448,8 @@ def run_eval(
         own_retriever = retriever is None
         retriever = retriever or open_retriever(config)
         backend = backend or _load_backend(config)
-        engine = RolloutEngine(backend, retriever, config.rollout_config())
+        engine = RolloutEngine(backend, retriever, config.rollout)
         started = time.perf_counter()
-        from tqdm import tqdm
-
         with tqdm(total=len(pending), desc="eval", unit="q", disable=not config.progress) as bar:
             def on_batch(new: list[EvalItem]) -> None:
                 _append_items(items_path, new)
@@ -462,19 +474,15 @@ def eval_batch_size(config: EvalConfig) -> int:
 
 
 def _load_backend(config: EvalConfig) -> GenerationBackend:
-    from eviback.generation import BackendConfig, load_backend
-
     return load_backend(BackendConfig(
         backend=config.backend, model=config.model, dtype=config.dtype, device=config.device,
-        max_model_len=max(4096, config.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
+        max_model_len=max(4096, config.rollout.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
     ))
 
 
 def write_summary(out: Path, tasks: Sequence[EvalTask] | None = None) -> EvalSummary:
     """Recompute the summary of `out/items.jsonl` (restricted to `tasks` when given) and write
     `summary.json`, `summary.md` and `viewer.html`."""
-    from eviback.viewer import write_viewer
-
     items = read_items(out / ITEMS_FILE)
     order = list(dict.fromkeys(t.benchmark for t in tasks)) if tasks is not None else None
     if tasks is not None:

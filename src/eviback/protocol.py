@@ -14,8 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from eviback.types import Action, ActionKind, Passage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_PREFIX = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time "
@@ -58,7 +62,7 @@ def chat_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": build_prompt(question)}]
 
 
-def apply_chat_template(tokenizer, question: str) -> str:  # noqa: ANN001 - any HF tokenizer
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
     """The prompt text through `tokenizer`'s chat template, ready for generation."""
     return tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=False)
 

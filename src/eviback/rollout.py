@@ -19,6 +19,7 @@ tokenised observations (mask 0). A trainer can use `Trajectory.tokens` as is.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,7 +70,13 @@ class RolloutConfig:
         check_fields(self)  # types first: the checks below compare numbers
         for name in ("group_size", "max_turn_tokens", "max_observation_tokens", "topk"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                # a training run sets max_observation_tokens as max_obs_tokens
+                alias = " (the training setting max_obs_tokens)" if name == "max_observation_tokens" else ""
+                raise ValueError(f"{name}{alias} must be >= 1, got {getattr(self, name)}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1.0: nucleus sampling off), got {self.top_p}")
         if self.max_turns < 0:
             raise ValueError(f"max_turns must be >= 0 (0: one turn, no search), got {self.max_turns}")
         if self.max_context_tokens <= self.max_turn_tokens:

@@ -16,7 +16,12 @@ Conversions, and only these:
 - a numeric string where a float is expected (YAML reads `learning_rate: 1e-6` as a string);
 - a single value where a list is expected (`eval_benchmarks=nq` is `[nq]`);
 - a number or a path where a string is expected (`data: 2024` in YAML is the string "2024"); on the command
-  line a string setting takes the text as written (`--set teacher=on` is "on", not YAML's `True`).
+  line a string setting takes the text as written (`--set teacher=on` is "on", not YAML's `True`);
+- an enum's value where the enum is expected (`mode: grpo` is `Mode.GRPO`);
+- a string where a path is expected (`out: results/x` is `Path("results/x")`).
+
+A type not named here (a config section, another dataclass) is left to the dataclass that holds the value, which
+knows how the user builds it.
 
 Anything else of the wrong type is refused: `max_steps=2.5`, `warm_start=1`, `lam=abc`, `teacher=` (nothing,
 where a string is required).
@@ -25,11 +30,13 @@ where a string is required).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import os
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any
 
 import yaml
@@ -67,7 +74,15 @@ def type_name(tp: Any) -> str:
         return f"a list of {_PLURALS.get(item, spelled)} ({origin.__name__}[{spelled}])"
     if tp in _WORDS:
         return f"{_WORDS[tp]} ({tp.__name__})"
+    if _is_class(tp, enum.Enum):
+        return f"one of {', '.join(str(m.value) for m in tp)} ({tp.__name__})"
+    if _is_class(tp, PurePath):
+        return f"a path ({tp.__name__})"
     return getattr(tp, "__name__", str(tp))
+
+
+def _is_class(tp: Any, base: type) -> bool:
+    return isinstance(tp, type) and issubclass(tp, base)
 
 
 def _refuse(name: str, value: Any, tp: Any) -> ValueError:
@@ -131,6 +146,18 @@ def _check(name: str, value: Any, tp: Any, setting: str, declared: Any) -> Any:
     elif origin is dict or tp is dict:
         if isinstance(value, Mapping):
             return dict(value)
+    elif _is_class(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)  # by its value: `mode: grpo` is Mode.GRPO
+        except (ValueError, TypeError):
+            pass
+    elif _is_class(tp, PurePath):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, str | os.PathLike):
+            return tp(value)
     else:
         return value  # a type this module does not know: the dataclass validates it
     raise _refuse(setting, value, declared)
@@ -162,13 +189,6 @@ def parse_setting_value(name: str, text: str, tp: Any) -> Any:
         return check_setting(name, value, tp)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-
-
-def check_settings(cls: type, values: Mapping[str, Any], where: str = "") -> dict[str, Any]:
-    """`values` with each setting that is a field of the dataclass `cls` checked by :func:`check_setting`
-    (other keys are left as they are, for the caller to refuse by name). A message is prefixed by `where`
-    (the file or preset the values came from) when given."""
-    return check_values(field_types(cls), values, where)
 
 
 def check_values(types: Mapping[str, Any], values: Mapping[str, Any], where: str = "") -> dict[str, Any]:

@@ -77,17 +77,3 @@ def write_viewer(items: Iterable[ScoredTrajectory], path: str | os.PathLike, tit
     os.replace(tmp, path)
     return path
 
-
-def write_trajectory_viewer(trajectories: Iterable[Trajectory], path: str | os.PathLike,
-                            title: str = "Trajectories", benchmark: str = "") -> Path:
-    """Write the viewer page of raw trajectories (e.g. a training step's groups)."""
-    from eviback.metrics import is_valid_answer, score_answer
-
-    records = []
-    for t in trajectories:
-        s = score_answer(t.answer, t.question.golden_answers)
-        records.append(_trajectory_record(benchmark or t.question.dataset, t, s.em, s.f1, is_valid_answer(t.answer)))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_viewer(records, title), encoding="utf-8")
-    return path

@@ -10,7 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eviback import dtype as dtypes
 from eviback.device import check_device
+from eviback.policy import DEFAULT_MODEL
+from eviback.settings import check_fields
 from eviback.teacher.config import TeacherConfig
 from eviback.teacher.openai_http import HttpBackendConfig, StructuredOutput
 
@@ -27,14 +30,19 @@ class ControllerConfig:
 
     kind: ControllerKind = ControllerKind.LOCAL
     http: HttpBackendConfig = field(default_factory=lambda: HttpBackendConfig(structured_output=StructuredOutput.NONE))
-    local_model: str = "smollm2-135m"  # a bundled name or a local HF checkpoint directory
+    local_model: str = DEFAULT_MODEL  # a bundled name or a local HF checkpoint directory
     dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32 (eviback.dtype)
     # where the local model computes: auto (the local GPU when there is one, else the CPU), cpu, cuda or
     # cuda:N (eviback.device)
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ControllerKind(self.kind))
+        check_fields(self)  # `kind` becomes a ControllerKind, or is refused naming the kinds
+        if not isinstance(self.http, HttpBackendConfig):
+            raise ValueError(f"ControllerConfig.http must be an HttpBackendConfig, got {type(self.http).__name__}")
+        if not self.local_model:
+            raise ValueError("the controller's local_model must name a model (a bundled name or a directory)")
+        dtypes.check(self.dtype, what="controller dtype")
         check_device(self.device, what="controller device")
         if self.http.structured_output is not StructuredOutput.NONE:
             # the controller writes free JSON: a stage reply schema would constrain it to nothing useful
@@ -54,6 +62,15 @@ class ApeConfig:
     frozen_name: str = "teacher.json"  # the frozen winner, relative to `out`
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if not isinstance(self.teacher, TeacherConfig):
+            raise ValueError(f"ApeConfig.teacher must be a TeacherConfig, got {type(self.teacher).__name__}")
+        if not isinstance(self.controller, ControllerConfig):
+            raise ValueError(f"ApeConfig.controller must be a ControllerConfig, got {type(self.controller).__name__}")
+        if not self.out:
+            raise ValueError("an E2E-APE run needs an output directory (out)")
+        if not self.frozen_name:
+            raise ValueError("frozen_name must name the frozen policy's file")
         if not self.dumps:
             raise ValueError("no rollouts: give the actor's rollout dumps on training questions "
                              "(a training run's rollouts/step-<N>.jsonl.gz)")

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from eviback.device import place
-from eviback.policy import load_model, load_tokenizer
+from eviback.policy import DEFAULT_MODEL, load_model, load_tokenizer
+from eviback.settings import check_fields
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import ChatMessage, ChatReply, ChatRequest, ReplySchema, TeacherClient
 from eviback.teacher.policy import Decoding, TeacherPolicy
@@ -192,6 +193,13 @@ class ControllerSettings:
     # between the skeletons. A strong controller writes the whole JSON itself (skeletons off).
     skeletons: bool = False
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.temperature >= 0:
+            raise ValueError(f"the controller's temperature must be >= 0, got {self.temperature}")
+        if self.max_tokens < 1:
+            raise ValueError(f"the controller's max_tokens must be >= 1, got {self.max_tokens}")
+
 
 @dataclass(frozen=True)
 class Skeleton:
@@ -265,7 +273,7 @@ class LocalChatClient:
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
-    def __init__(self, model_name: str = "smollm2-135m", dtype: str = "auto", *,
+    def __init__(self, model_name: str = DEFAULT_MODEL, dtype: str = "auto", *,
                  model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  device: str = "auto") -> None:
         placement = place(device, dtype)  # the dtype `auto` means on the device it runs on

@@ -23,14 +23,27 @@ Exit status: 0 with a frozen winner, 1 when no candidate passed the gates, 2 on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eviback import device as devices
+from eviback import dtype as dtypes
+from eviback.policy import DEFAULT_MODEL
+from eviback.teacher import HttpBackendConfig, JudgeConfig, RetryConfig, TeacherConfig
+from eviback.teacher.local import LocalBackendConfig
+from eviback.teacher.openai_http import DEFAULT_BASE_URL
+
+if TYPE_CHECKING:
+    from eviback.ape.config import ApeConfig
+
+# eviback.ape is imported when the command runs: it loads scipy (seconds), which `eviback --help` need not.
 
 HELP = "construct the teacher policy from constraints (E2E-APE) and freeze the winner"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback import device as devices
-
     parser.add_argument("dumps", nargs="*", help="the actor's rollout dumps on training questions (a training run's "
                                                   "rollouts/step-<N>.jsonl.gz, or JSONL trajectories)")
     parser.add_argument("--out", help="run directory (rerun with the same --out to resume)")
@@ -45,14 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     teacher = parser.add_argument_group("teacher backend")
     teacher.add_argument("--backend", choices=("local", "http"), default="local",
                          help="local: in-process transformers model; http: an OpenAI-compatible server")
-    teacher.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="teacher server URL (ends in /v1)")
+    teacher.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                         help="teacher server URL (ends in /v1; default: %(default)s)")
     teacher.add_argument("--model", default="", help="served teacher model name (default: the server's first)")
     teacher.add_argument("--structured-output", default="response_format",
                          choices=("response_format", "structured_outputs", "json_object", "none"),
                          help="how the teacher server is asked for JSON (see `eviback judge --help`)")
     teacher.add_argument("--timeout", type=float, default=120.0, help="seconds per teacher call (default 120)")
-    teacher.add_argument("--local-model", default="smollm2-135m", help="model of the local backends")
-    teacher.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+    teacher.add_argument("--local-model", default=DEFAULT_MODEL, help="model of the local backends")
+    teacher.add_argument("--dtype", default="auto", choices=dtypes.CHOICES,
                          help="dtype of the local backends' model (auto: bf16 where native, else fp32)")
     teacher.add_argument("--device", default="auto",
                          help="the local backends' model (teacher and controller): " + devices.HELP
@@ -66,18 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     control.add_argument("--controller", choices=("local", "http", "none"), default="local",
                          help="the controller LLM: the local model (default), an OpenAI-compatible endpoint, "
                               "or none (seeds and systematic variants only)")
-    control.add_argument("--controller-base-url", default="http://127.0.0.1:8000/v1", help="controller server URL")
+    control.add_argument("--controller-base-url", default=DEFAULT_BASE_URL,
+                         help="controller server URL (default: %(default)s)")
     control.add_argument("--controller-model", default="", help="served controller model name")
     control.add_argument("--controller-api-key-env", default="OPENAI_API_KEY",
                          help="environment variable holding the controller's API key")
 
 
 def run(args: argparse.Namespace) -> int:
+    from eviback.ape.pipeline import run_ape
+    from eviback.ape.report import comparison_rows
     from eviback.ape.spec import default_spec_text, load_spec
 
     if args.write_spec:
-        from pathlib import Path
-
         path = Path(args.write_spec)
         if path.exists():
             raise FileExistsError(f"{path} exists; choose another file for the spec")
@@ -88,14 +103,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --out DIR for the run (or --write-spec FILE)")
     spec = load_spec(args.spec)
     if args.seed_policy:  # recorded in the run's spec.yaml like any seed
-        import dataclasses
-
         seeds = tuple(dict.fromkeys((*args.seed_policy, *spec.search.seeds)))
         spec = dataclasses.replace(spec, search=dataclasses.replace(spec.search, seeds=seeds))
     config = _config(args)
-    from eviback.ape.pipeline import run_ape
-    from eviback.ape.report import comparison_rows
-
     result = run_ape(config, spec)
     winner = result.selection.winner if result.selection else None
     if result.test is not None:
@@ -115,10 +125,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace):  # noqa: ANN202 - an ApeConfig
+def _config(args: argparse.Namespace) -> ApeConfig:
     from eviback.ape.config import ApeConfig, ControllerConfig
-    from eviback.teacher import HttpBackendConfig, JudgeConfig, RetryConfig, TeacherConfig
-    from eviback.teacher.local import LocalBackendConfig
 
     teacher = TeacherConfig(
         backend=args.backend,

@@ -1,15 +1,18 @@
-"""Build the trained evidence judge: a small cross-encoder that decides Stage A's status (S/A/I).
+"""Build the trained evidence judge: a small classifier over all-MiniLM-L6-v2 that decides Stage A's status
+(S/A/I).
 
   eviback build-judge                                   # from the embedded suite's training questions
   eviback build-judge --rollouts rollouts.jsonl         # plus real rollouts on training questions
-  eviback build-judge --max-questions 120 --epochs 1    # a smaller, quicker judge
+  eviback build-judge --max-questions 200               # a smaller, quicker judge (the demo's)
+  eviback build-judge --architecture cross-encoder --epochs 3   # the fine-tuned cross-encoder of builder 3
 
 Examples come from training questions only (a question of an evaluation file is an error): real BM25
 searches and same-topic negatives, plus the given rollouts (the warm-started actor's, so that the judge
 learns the evidence it will judge). The judge reads each passage alone (S: holds a gold answer, A: a
 supporting passage without it, I: neither) and calls the evidence I when no passage is relevant; its
 held-out figures (the gate, I vs not-I, S vs I and kappa, on held-out questions' searches and rollouts) are
-printed and kept in its judge.json. The judge is saved under the cache (`$EVIBACK_CACHE/judges/evidence-judge-<key>`) and reused
+printed and kept in its judge.json; a gate below 0.6 is reported WEAK (`eviback train` refuses such a judge
+unless accept_weak_judge=true). The judge is saved under the cache (`$EVIBACK_CACHE/judges/evidence-judge-<key>`) and reused
 by a later build with the same inputs. Its directory holds `policy.json`: the two-stage policy whose Stage A
 is this judge (identified by the content hash of its files), ready for
 `eviback judge DUMP --policy DIR/policy.json`, `eviback train --set teacher=DIR/policy.json` and E2E-APE.
@@ -18,13 +21,16 @@ is this judge (identified by the content hash of its files), ready for
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+from eviback import dtype as dtypes
+from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge
 
 HELP = "build the trained evidence judge for Stage A from training questions (cached)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback.train.judge_builder import EvidenceJudgeConfig
-
     d = EvidenceJudgeConfig()
     # argparse expands `%` in help texts: the fields' own texts are literal
     fields = {name: {"help": f.metadata["help"].replace("%", "%%")}
@@ -42,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"{fields[name]['help']} (default: %(default)s)")
     parser.add_argument("--unit", choices=("passage", "evidence"), default=d.unit,
                         help=f"{fields['unit']['help']} (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype,
+    parser.add_argument("--architecture", choices=("bi-encoder", "cross-encoder"), default=d.architecture,
+                        help=f"{fields['architecture']['help']} (default: %(default)s)")
+    parser.add_argument("--dtype", choices=dtypes.TRAINING_CHOICES, default=d.dtype,
                         help=f"{fields['dtype']['help']} (default: %(default)s)")
     parser.add_argument("--device", default=d.device, help=f"{fields['device']['help']} (default: %(default)s)")
     parser.add_argument("--base-model", default="", help=fields["base_model"]["help"])
@@ -52,11 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help=fields["force"]["help"])
 
 
-def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJudgeConfig
-    from eviback.train.judge_builder import EvidenceJudgeConfig
-
+def config_from_args(args: argparse.Namespace) -> EvidenceJudgeConfig:
     return EvidenceJudgeConfig(
         data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts), unit=args.unit,
+        architecture=args.architecture,
         threshold=args.threshold, dtype=args.dtype, device=args.device,
         max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
         passages_per_question=args.passages_per_question, balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
@@ -67,13 +74,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - an EvidenceJud
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-    import sys
-
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see `eviback sft`: spinning threads on busy cores
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from eviback.train.judge_builder import build_judge
-
     judge = build_judge(config_from_args(args), progress=lambda message: print(message, file=sys.stderr))
     print(f"evidence judge: {judge.path}")
     print(f"policy with the judge as Stage A: {judge.policy_path}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from eviback import data
+
 HELP = "validate and convert QA / corpus files (FlashRAG JSONL, Search-R1 parquet)"
 
 
@@ -33,8 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eviback import data
-
     if args.data_command == "suite":
         s = data.load_suite(args.root)
         print(f"root:   {s.root}\ncorpus: {s.corpus}")

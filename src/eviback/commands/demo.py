@@ -12,6 +12,12 @@
    evidence the actor saw that best matches the gold (`--set teacher_stage_b=prompted`: SmolLM2, grounded).
 3. Evaluation on held-out questions (NQ, PopQA, HotpotQA of the embedded suite), greedy, with the metrics
    table printed and an HTML report (training curves, evaluation, trajectories turn by turn).
+4. What happened, in a few sentences (also at the top of the report): how many groups had a verified hit,
+   fell back and got a signal from the teacher, and the most any evidence judge could have told apart; the
+   judge's gate; the held-out change with paired bootstrap intervals, and whether they include 0.
+
+The log holds eviback's own lines and progress bars; known, harmless third-party warnings are silenced
+where they are emitted (`eviback.log_format`), and `eviback -v demo` shows every line.
 
 The demo's settings are the `demo` preset (`eviback train --help-config` explains each); `--set` changes
 any of them.
@@ -26,8 +32,17 @@ before it starts, and `--full` keeps the preset's sizes. A setting given with `-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
+import textwrap
 from pathlib import Path
+
+from eviback.device import place
+from eviback.dtype import DtypeChoice
+from eviback.evaluate import comparison_markdown
+from eviback.train.config import TrainConfig, resolve_config
+from eviback.train.report_summary import summarize_run
+from eviback.train.runner import run_training, teacher_is_oracle
 
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
 
@@ -37,12 +52,11 @@ HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, h
 NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 3, "eval_limit": 20}
 
 
-def size_for_this_machine(config, choice, given: set[str]):  # noqa: ANN001, ANN201 - TrainConfig, DtypeChoice
+def size_for_this_machine(config: TrainConfig, choice: DtypeChoice,
+                          given: set[str]) -> tuple[TrainConfig, str | None]:
     """(config, message): the demo's config sized for this machine, and one plain sentence saying what was
     changed and why (None when nothing was). Pure: `choice` is the `eviback.dtype` decision, `given` the
     settings the user set explicitly (never changed)."""
-    import dataclasses
-
     if config.dtype != "auto" or choice.device != "cpu" or choice.dtype != "float32":
         return config, None
     changes = {k: v for k, v in NO_NATIVE_BF16.items() if k not in given and getattr(config, k) > v}
@@ -66,15 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eviback.train.config import resolve_config
-
     overrides = list(args.set) + ([f"max_steps={args.steps}"] if args.steps else [])
     config = resolve_config("demo", None, overrides)  # a bad setting stops here, before anything heavy loads
-    from eviback.train.runner import run_training, teacher_is_oracle
-
     if not args.full:
-        from eviback.device import place
-
         given = {item.split("=", 1)[0].strip() for item in overrides}
         config, sized = size_for_this_machine(config, place(config.device, config.dtype).dtype_choice, given)
         if sized:
@@ -88,9 +96,6 @@ def run(args: argparse.Namespace) -> int:
         if not (output / "config.yaml").exists():
             raise FileExistsError(f"{output} exists and is not a demo run; choose another --output")
         shutil.rmtree(output)
-
-    from eviback.evaluate import comparison_markdown
-
     print(f"eviback demo: warm start (cached after the first run), {config.max_steps} EviBack GRPO steps "
           f"({config.questions_per_step} questions x {config.rollout.group_size} rollouts), then evaluation on "
           f"{', '.join(config.eval_benchmarks)} ({config.eval_limit} held-out questions each)", flush=True)
@@ -100,7 +105,15 @@ def run(args: argparse.Namespace) -> int:
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
         print(comparison_markdown({**tables, "trained": result.eval_summary},
                                   title="Held-out evaluation: the warm start (start) and after EviBack training"))
+    print_summary(result.run_dir)
     print(f"\nrun directory: {result.run_dir}")
     print(f"report:        {result.report}")
     print(f"trajectories:  {result.run_dir / 'eval' / 'viewer.html'}")
     return 0
+
+
+def print_summary(run_dir: Path) -> None:
+    """What the run did, in the sentences that open its report (eviback.train.report_summary)."""
+    print("\n## What happened (the top of the report)\n")
+    for sentence in summarize_run(run_dir).sentences():
+        print(textwrap.fill(sentence, width=110, initial_indent="- ", subsequent_indent="  "))

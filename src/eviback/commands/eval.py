@@ -7,13 +7,21 @@
 
 Writes OUT/items.jsonl (one record per question: trajectory, answer, EM/F1/sub-EM, statistics),
 OUT/summary.json, OUT/summary.md (the table) and OUT/viewer.html. Rerunning the same command resumes:
-questions already in items.jsonl are skipped.
+questions already in items.jsonl are skipped. A `/retrieve` service that stops answering is retried for
+--retrieval-deadline-s seconds; past that the evaluation stops with exit code 75 and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+from eviback import device as devices
+from eviback import dtype as dtypes
+from eviback.evaluate import EvalConfig, run_eval, summary_markdown
+from eviback.retrieval.client import RetrieverUnavailable
+from eviback.rollout import RolloutConfig
 
 # Sleeping OpenMP threads (set before torch loads): on shared cores, spinning ones stall each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -22,10 +30,8 @@ HELP = "evaluate a model on the QA benchmarks (EM, F1, valid answers, searches)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback import device as devices
-    from eviback.evaluate import EvalConfig
-
     defaults = EvalConfig()
+    limits = defaults.rollout
     data = parser.add_argument_group("questions")
     data.add_argument("--data", help="data suite directory (default: the embedded suite)")
     data.add_argument("--benchmarks", help="comma-separated benchmarks of the suite (default: all seven)")
@@ -34,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--limit", type=int, help="first N questions of each benchmark")
     model = parser.add_argument_group("policy")
     model.add_argument("--model", default=defaults.model, help="model name or checkpoint directory (default: %(default)s)")
-    model.add_argument("--dtype", default=defaults.dtype, choices=["auto", "bfloat16", "float32", "float16"],
+    model.add_argument("--dtype", default=defaults.dtype, choices=dtypes.CHOICES,
                        help="auto (default): bf16 where the device computes it natively, else fp32")
     model.add_argument("--device", default=defaults.device, help=devices.HELP + " (default: %(default)s)")
     model.add_argument("--backend", default=defaults.backend, choices=["vllm", "hf"],
@@ -44,13 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--retriever", help="index directory or http(s) URL of a /retrieve service "
                                              "(default: BM25 over the suite's corpus, built once and cached)")
-    rollout.add_argument("--topk", type=int, default=defaults.topk, help="passages per search (default: %(default)s)")
-    rollout.add_argument("--max-turns", type=int, default=defaults.max_turns,
-                         help="executed turns before the final, no-search turn (default: %(default)s)")
-    rollout.add_argument("--max-turn-tokens", type=int, default=defaults.max_turn_tokens, help="default: %(default)s")
-    rollout.add_argument("--max-observation-tokens", type=int, default=defaults.max_observation_tokens,
+    rollout.add_argument("--retrieval-deadline-s", type=float, default=defaults.retrieval_deadline_s,
+                         help="with an http retriever: seconds a search keeps retrying a service that does not "
+                              "answer (stopped, restarting, loading its index) (default: %(default)s)")
+    rollout.add_argument("--topk", type=int, default=limits.topk, help="passages per search (default: %(default)s)")
+    rollout.add_argument("--max-turns", type=int, default=limits.max_turns,
+                         help="executed turns before the final, no-search turn (default: %(default)s; training's "
+                              f"is {RolloutConfig.max_turns})")
+    rollout.add_argument("--max-turn-tokens", type=int, default=limits.max_turn_tokens, help="default: %(default)s")
+    rollout.add_argument("--max-observation-tokens", type=int, default=limits.max_observation_tokens,
                          help="default: %(default)s")
-    rollout.add_argument("--max-context-tokens", type=int, default=defaults.max_context_tokens, help="default: %(default)s")
+    rollout.add_argument("--max-context-tokens", type=int, default=limits.max_context_tokens, help="default: %(default)s")
     rollout.add_argument("--batch-size", type=int, default=defaults.batch_size,
                          help="questions per batched rollout, and per resume checkpoint (default: 0: 64 on the "
                               "CPU, 256 on a GPU)")
@@ -60,8 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eviback.evaluate import EvalConfig, run_eval, summary_markdown
-
     config = EvalConfig(
         out=args.out or "",
         data=args.data,
@@ -69,21 +77,32 @@ def run(args: argparse.Namespace) -> int:
         qa_files=tuple(args.qa),
         limit=args.limit,
         retriever=args.retriever,
+        retrieval_deadline_s=args.retrieval_deadline_s,
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         backend=args.backend,
-        topk=args.topk,
-        max_turns=args.max_turns,
-        max_turn_tokens=args.max_turn_tokens,
-        max_observation_tokens=args.max_observation_tokens,
-        max_context_tokens=args.max_context_tokens,
+        rollout=RolloutConfig(topk=args.topk, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
+                              max_observation_tokens=args.max_observation_tokens,
+                              max_context_tokens=args.max_context_tokens),
         batch_size=args.batch_size,
         kv_cache_gib=args.kv_cache_gib,
         threads=args.threads,
         progress=args.progress,
     )
-    summary = run_eval(config, overwrite=args.overwrite)
+    try:
+        summary = run_eval(config, overwrite=args.overwrite)
+    except Exception as e:
+        unavailable = RetrieverUnavailable.found_in(e)
+        if unavailable is None or getattr(args, "verbose", False):
+            raise
+        print(f"eviback eval: the retrieval service at {unavailable.url} did not answer for "
+              f"{unavailable.waited_s:.0f} s ({unavailable.attempts} attempts; last error: {unavailable.last_error}), "
+              f"so the evaluation stopped. The questions already answered are kept in "
+              f"{config.out_dir() / 'items.jsonl'}: once the service answers again, rerun the same command to "
+              f"evaluate the rest (--retrieval-deadline-s waits longer, now {config.retrieval_deadline_s:g} s).",
+              file=sys.stderr)
+        return unavailable.exit_code
     out = config.out_dir()
     print(summary_markdown(summary))
     print(f"items: {out / 'items.jsonl'}\nsummary: {out / 'summary.md'}\nviewer: {out / 'viewer.html'}")

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import argparse
 
+from eviback.experiment.config import load_experiment
+from eviback.experiment.report import write_comparison
+from eviback.experiment.run import run_experiment
+
 HELP = "run the arms x seeds of an experiment file and compare them on held-out questions"
 
 
@@ -29,10 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eviback.experiment.config import load_experiment
-    from eviback.experiment.report import write_comparison
-    from eviback.experiment.run import run_experiment
-
     config = load_experiment(args.config, data=args.data)
     if not args.report_only:
         run_experiment(config, only=tuple(args.only), git_commit=args.commit, report=write_comparison)

@@ -17,12 +17,19 @@ from __future__ import annotations
 
 import argparse
 
+from eviback.retrieval import IndexKind, build_index
+from eviback.retrieval.config import (
+    BUILD_KINDS,
+    BM25Config,
+    DenseConfig,
+    add_config_arguments,
+    config_from_arguments,
+)
+
 HELP = "build a BM25 or dense retrieval index from a corpus"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback.retrieval.config import BUILD_KINDS, BM25Config, DenseConfig, add_config_arguments
-
     parser.add_argument("corpus", help="corpus JSONL ({'id', 'contents'} or {'id', 'title', 'text'} lines)")
     parser.add_argument("--out", required=True, help="index directory to create")
     parser.add_argument("--kind", choices=[k.value for k in BUILD_KINDS], default="bm25", help="index kind (default: bm25)")
@@ -34,9 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eviback.retrieval import BM25Config, DenseConfig, IndexKind, build_index
-    from eviback.retrieval.config import config_from_arguments
-
     kind = IndexKind(args.kind)
     manifest = build_index(
         args.corpus,

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from eviback.retrieval.config import FaissImportConfig, add_config_arguments, config_from_arguments
+from eviback.retrieval.imported import describe, import_faiss
+
 HELP = "import a FAISS flat index and its corpus (Search-R1's e5_Flat.index), compressed for bounded RAM"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback.retrieval.config import FaissImportConfig, add_config_arguments
-
     parser.add_argument("flat_index", help="FAISS IndexFlatIP file (e.g. Search-R1's e5_Flat.index)")
     parser.add_argument("corpus", help="its corpus JSONL or JSONL.gz, row i = vector i ({'id', 'contents'} lines)")
     parser.add_argument("--out", required=True, help="index directory to create")
@@ -34,9 +35,6 @@ def run(args: argparse.Namespace) -> int:
     # OpenMP threads (FAISS's, torch's) that spin while idle steal the cores of a small or shared machine:
     # measured 4x slower FAISS searches on 2 busy cores. Read when the runtimes load, so set first.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from eviback.retrieval.config import FaissImportConfig, config_from_arguments
-    from eviback.retrieval.imported import describe, import_faiss
-
     manifest = import_faiss(args.flat_index, args.corpus, args.out, config_from_arguments(FaissImportConfig, args),
                             force=args.force, progress=args.progress)
     print(f"imported into {args.out}: {describe(manifest)} (corpus sha256 {manifest.corpus_sha256[:12]}, "

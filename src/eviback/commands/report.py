@@ -8,6 +8,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from eviback.evaluate import ITEMS_FILE, VIEWER_FILE, read_items
+from eviback.viewer import write_viewer
 
 HELP = "render evaluation trajectories as an HTML page (turn by turn, with filters)"
 
@@ -19,11 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from eviback.evaluate import ITEMS_FILE, VIEWER_FILE, read_items
-    from eviback.viewer import write_viewer
-
     path = Path(args.path)
     items_path = path / ITEMS_FILE if path.is_dir() else path
     if not items_path.exists():

@@ -1,7 +1,7 @@
 """Serve an index over HTTP as a Search-R1-compatible `/retrieve` service (FastAPI + uvicorn).
 
   eviback serve INDEX_DIR                       http://127.0.0.1:8000/retrieve
-  eviback serve INDEX_DIR --host 0.0.0.0 --port 8001
+  eviback serve INDEX_DIR --host 0.0.0.0 --port 8002
   eviback serve INDEX_DIR                       an index of `eviback index import-faiss` (Search-R1's e5 index)
   eviback serve                                 the embedded suite's corpus (BM25, built once and cached)
   eviback serve --suite DATA_DIR --kind dense   a data suite's corpus, dense
@@ -18,13 +18,17 @@ import argparse
 import os
 import sys
 
+from eviback import device as devices
+from eviback.data import load_suite
+from eviback.retrieval import ServerConfig, load_index, read_manifest, suite_retriever
+from eviback.retrieval.config import BUILD_KINDS, add_config_arguments, config_from_arguments
+from eviback.retrieval.index import suite_index_dir
+from eviback.types import to_dict
+
 HELP = "serve an index as a Search-R1-compatible /retrieve HTTP service"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback import device as devices
-    from eviback.retrieval.config import BUILD_KINDS, ServerConfig, add_config_arguments
-
     parser.add_argument("index", nargs="?", help="index directory (default: the data suite's corpus, see --suite)")
     parser.add_argument("--suite", help="data suite directory whose corpus to serve when no index is given "
                                         "(default: the embedded suite)")
@@ -40,18 +44,11 @@ def run(args: argparse.Namespace) -> int:
     # OpenMP threads (FAISS's, torch's) that spin while idle steal the cores of a small or shared machine:
     # measured 4x slower FAISS searches on 2 busy cores. Read when the runtimes load, so set first.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from eviback import device as devices
-
     if devices.check_device(args.device) != devices.AUTO:
         # The index is loaded as its manifest says, with the encoder placed by `auto`; this process serves
         # that one index, so `auto` is made to mean the device asked for (as $EVIBACK_DEVICE would)
         os.environ[devices.ENV_VAR] = args.device
-    from eviback.data import load_suite
-    from eviback.retrieval import ServerConfig, load_index, read_manifest, suite_retriever
-    from eviback.retrieval.config import config_from_arguments
-    from eviback.retrieval.index import suite_index_dir
-    from eviback.retrieval.server import serve
-    from eviback.types import to_dict
+    from eviback.retrieval.server import serve  # FastAPI and uvicorn (a second): not for `--help`
 
     config = config_from_arguments(ServerConfig, args)
     if args.index:

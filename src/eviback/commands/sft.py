@@ -17,14 +17,21 @@ the settings) and reused by later runs with the same inputs; the command prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+
+from eviback import device as devices
+from eviback import dtype as dtypes
+from eviback.policy import load_tokenizer, resolve_model
+from eviback.settings import field_types, parse_setting_value
+from eviback.train import sft
+from eviback.train.sft import WarmStartConfig
 
 HELP = "warm-start SFT on protocol trajectories built from training questions (cached)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eviback import device as devices
-    from eviback.train.sft import WarmStartConfig
-
     d = WarmStartConfig()
     parser.add_argument("--model", default=d.model, help="base policy: built-in name or model directory "
                         "(default: %(default)s)")
@@ -37,14 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--multi-search-share", type=float, default=d.multi_search_share,
                         help="share of examples that search twice (default: %(default)s)")
-    parser.add_argument("--max-obs-tokens", type=int, default=d.max_obs_tokens,
-                        help="observation cap, as in the rollouts (default: %(default)s)")
+    parser.add_argument("--max-observation-tokens", "--max-obs-tokens", dest="max_observation_tokens", type=int,
+                        default=d.max_observation_tokens, help="observation cap, as in the rollouts "
+                        "(default: %(default)s)")
     parser.add_argument("--epochs", type=float, default=d.epochs, help="default: %(default)s")
     parser.add_argument("--lr", type=float, default=d.learning_rate, help="learning rate (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="default: %(default)s")
     parser.add_argument("--grad-accum", type=int, default=d.gradient_accumulation,
                         help="gradient accumulation steps (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=d.dtype,
+    parser.add_argument("--dtype", choices=dtypes.TRAINING_CHOICES, default=d.dtype,
                         help="compute dtype; bfloat16 keeps an fp32 master copy; auto: bf16 where the device "
                              "computes it natively, else fp32 (default: %(default)s)")
     parser.add_argument("--device", default=d.device, help=devices.HELP + "; not in the cache key (default: "
@@ -60,14 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--help-config", action="store_true", help="list every setting and exit")
 
 
-def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - a WarmStartConfig
-    from eviback.settings import field_types, parse_setting_value
-    from eviback.train.sft import WarmStartConfig
-
+def config_from_args(args: argparse.Namespace) -> WarmStartConfig:
     values = dict(
         model=args.model, data=args.data, train_files=list(args.train_files), retriever=args.retriever,
         max_examples=args.max_examples, multi_search_share=args.multi_search_share,
-        max_obs_tokens=args.max_obs_tokens, epochs=args.epochs, learning_rate=args.lr,
+        max_observation_tokens=args.max_observation_tokens, epochs=args.epochs, learning_rate=args.lr,
         batch_size=args.batch_size, gradient_accumulation=args.grad_accum, dtype=args.dtype, device=args.device,
         seed=args.seed,
         threads=args.threads, output=args.output, force=args.force, progress=not args.no_progress,
@@ -83,22 +88,16 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - a WarmStartCon
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     # OpenMP threads that spin while waiting for each other collapse when the cores are shared: on two
     # busy cores a training step ran 10x slower with spinning threads than with sleeping ones. Must be set
     # before torch starts its thread pool; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from eviback.train import sft
-
     if args.help_config:
         print(sft.describe_fields())
         return 0
     config = config_from_args(args)
     if args.dry_run:
         return _dry_run(config)
-    import json
-
     path = sft.warm_start(config)
     report = json.loads((path / sft.REPORT_FILE).read_text())
     ex, train = report["examples"], report["train"]
@@ -111,13 +110,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(config) -> int:  # noqa: ANN001
-    import dataclasses
-    import json
-
-    from eviback.policy import load_tokenizer, resolve_model
-    from eviback.train import sft
-
+def _dry_run(config: WarmStartConfig) -> int:
     tokenizer = load_tokenizer(resolve_model(config.model, "float32"))
     examples, report = sft.build_training_set(config, tokenizer)
     counts = {k.value: sum(e.kind is k for e in examples) for k in sft.wsd.ExampleKind}

@@ -10,11 +10,25 @@ dropped), f1-fallback (all-zero groups get the actor's own token F1, no teacher)
 manual single-prompt dual-task teacher), eviback-oracle (the ceiling: a teacher that reads the gold answers),
 demo (CPU-sized). Several processes or GPUs: `accelerate launch -m eviback.cli train ...` (TRL handles the
 distribution; each process rolls out and judges its own whole groups).
+
+With `retriever=http://...`, a retrieval service that stops answering (a restart, a reload) is waited for,
+retried with backoff, for `retrieval_deadline_s` seconds (default 300). Past that the run stops with one
+paragraph naming the service, its last error, what is redone and the `--resume` command that continues the
+run, and exit code 75 (`-v` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
+
+from eviback.evaluate import comparison_markdown
+from eviback.retrieval.client import RetrieverUnavailable
+from eviback.train.config import TrainConfig, describe_fields, resolve_config
+from eviback.train.run import RunDir
+from eviback.train.runner import run_training
 
 HELP = ("train with GRPO + teacher backoff (presets: eviback, grpo, dapo, f1-fallback, eviback-single-prompt, "
         "eviback-oracle, demo)")
@@ -31,19 +45,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eviback.train.config import describe_fields, resolve_config
-
     if args.help_config:
         print(describe_fields())
         return 0
     config = resolve_config(args.preset, args.config, args.set)
-    from eviback.train.runner import run_training
-
-    result = run_training(config, args.output or f"runs/{args.preset}", resume=args.resume)
+    output = args.output or f"runs/{args.preset}"
+    try:
+        result = run_training(config, output, resume=args.resume)
+    except Exception as e:
+        unavailable = RetrieverUnavailable.found_in(e)
+        if unavailable is None or getattr(args, "verbose", False):
+            raise
+        print(retrieval_stop_message(unavailable, config, output, resume_command(args, output)), file=sys.stderr)
+        return unavailable.exit_code
     if result.eval_summary is not None:
-        from eviback.evaluate import comparison_markdown
-
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
         print(comparison_markdown({**tables, "trained": result.eval_summary}, title="Held-out evaluation"))
     print(f"run: {result.run_dir}\nmodel: {result.final_model}\nreport: {result.report}")
     return 0
+
+
+def resume_command(args: argparse.Namespace, output: str) -> str:
+    """The `eviback train` command that continues this run: its own preset, config file and settings, its
+    output directory, and `--resume`."""
+    words = ["eviback", "train"]
+    if args.preset != "eviback":
+        words += ["--preset", args.preset]
+    if args.config:
+        words += ["--config", args.config]
+    for item in args.set:
+        words += ["--set", item]
+    words += ["--output", output, "--resume"]
+    return shlex.join(words)
+
+
+def retrieval_stop_message(error: RetrieverUnavailable, config: TrainConfig, output: str, command: str) -> str:
+    """One paragraph for a run stopped by a retrieval service that did not answer until the deadline: the
+    service, its last error, where the run stopped, what `--resume` redoes (the steps since the last
+    checkpoint) and `command`, which continues it."""
+    run = RunDir(output)
+    logged = [m["step"] for m in run.read_metrics() if "step" in m]
+    done = max(logged, default=0)
+    checkpoint = run.last_checkpoint_step()
+    if done >= config.max_steps:
+        where = f"after its last step ({done} of {config.max_steps}), in the final evaluation"
+        redone = "--resume redoes only the evaluation's unfinished questions"
+    else:
+        where = f"in step {done + 1} of {config.max_steps}"
+        if not config.save_steps:
+            redone = "the run writes no checkpoints (save_steps=0), so --resume starts it over"
+        elif checkpoint is None:
+            redone = "it had no checkpoint yet, so --resume starts it over"
+        elif checkpoint >= done:
+            redone = f"--resume continues from its checkpoint at step {checkpoint}: only step {done + 1} is redone"
+        else:
+            redone = (f"--resume continues from its last checkpoint, step {checkpoint} (save_steps="
+                      f"{config.save_steps}): steps {checkpoint + 1}-{done + 1} are redone")
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = f" (launched as before, {processes} processes)" if processes > 1 else ""
+    return (f"eviback train: the retrieval service at {error.url} did not answer for {error.waited_s:.0f} s "
+            f"({error.attempts} attempts; last error: {error.last_error}), so the run stopped {where}; {redone}. "
+            f"Once the service answers again (`eviback serve` listening at {error.url}), continue the run with "
+            f"`{command}`{launch}; `--set retrieval_deadline_s=SECONDS` (now {config.retrieval_deadline_s:g}) waits "
+            f"longer for a service that is slow to load its index.")

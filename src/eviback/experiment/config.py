@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from eviback.settings import check_fields
 from eviback.train.config import TrainConfig, load_preset
 
 # Settings an experiment sets for every run itself; a config that sets them is refused (it would not mean
@@ -44,6 +45,15 @@ class Arm:
     preset: str
     seeds: tuple[int, ...] = (0,)
     settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # types first: a seed is an integer, settings a mapping
+        if not NAME.match(self.name):
+            raise ValueError(f"arm name {self.name!r} must be letters, digits, '.', '_' or '-'")
+        if not self.preset:
+            raise ValueError(f"arm {self.name!r}: preset must name a training preset (eviback, grpo, dapo, ...)")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"arm {self.name!r}: seeds must be distinct integers, got {list(self.seeds)}")
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,33 @@ class ExperimentConfig:
     launch: tuple[str, ...] = ()
     # further comparisons than each arm against the baseline: (a, b) reports "a - b", run s against run s
     contrasts: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # The messages name the keys of an experiment file (`eval.limit` is eval_limit), as parse_experiment
+        # reads them.
+        check_fields(self)  # types first: the checks below compare numbers
+        if not NAME.match(self.name):
+            raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-'")
+        if not all(isinstance(a, Arm) for a in self.arms):
+            raise ValueError(f"arms must be Arm records (parse_experiment builds them from a file), got "
+                             f"{list(self.arms)!r}")
+        names = [a.name for a in self.arms]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"arms must be a non-empty list of distinct names, got {names}")
+        if not self.eval_benchmarks:
+            raise ValueError("eval.benchmarks must name at least one held-out set")
+        for key, value, low in (("steps", self.steps, 1), ("eval.limit", self.eval_limit, 1),
+                                ("bootstrap_samples", self.bootstrap_samples, 100),
+                                ("bootstrap_seed", self.bootstrap_seed, 0)):
+            if value < low:
+                raise ValueError(f"{key} must be >= {low}, got {value}")
+        self.arm(self.baseline)  # raises when the baseline is not an arm
+        for i, pair in enumerate(self.contrasts):
+            if len(pair) != 2 or pair[0] == pair[1]:
+                raise ValueError(f"contrasts[{i}] must be a pair of two different arms [a, b] (reported as a - b), "
+                                 f"got {list(pair)}")
+            for name in pair:
+                self.arm(name)  # raises when a contrast names no arm
 
     @property
     def work_dir(self) -> Path:
@@ -131,8 +168,11 @@ def parse_experiment(spec: dict[str, Any], source: str = "<experiment>") -> Expe
         seeds = item.get("seeds", [0])
         if not seeds or not all(isinstance(s, int) for s in seeds) or len(set(seeds)) != len(seeds):
             raise ValueError(f"{source}: arm {item['name']!r}: seeds must be distinct integers, got {seeds!r}")
-        arms.append(Arm(item["name"], str(item.get("preset", item["name"])), tuple(seeds),
-                        _mapping(item.get("settings"), f"{source}: arm {item['name']!r} settings")))
+        arm_settings = _mapping(item.get("settings"), f"{source}: arm {item['name']!r} settings")
+        try:
+            arms.append(Arm(item["name"], str(item.get("preset", item["name"])), tuple(seeds), arm_settings))
+        except ValueError as e:
+            raise ValueError(f"{source}: arm {item['name']!r}: {e}") from None
     names = [a.name for a in arms]
     if not arms or len(set(names)) != len(names):
         raise ValueError(f"{source}: arms must be a non-empty list of distinct names, got {names}")
@@ -141,22 +181,20 @@ def parse_experiment(spec: dict[str, Any], source: str = "<experiment>") -> Expe
         if owned:
             raise ValueError(f"{source}: {where} set {owned}, which the experiment sets for every run "
                              "(steps, seeds, eval)")
-    config = ExperimentConfig(
-        name=str(spec["name"]), out=Path(spec["out"]), steps=int(spec["steps"]), arms=tuple(arms),
-        eval_benchmarks=tuple(evaluation["benchmarks"]), eval_limit=int(evaluation.get("limit", 100)),
-        baseline=str(spec.get("baseline", arms[0].name)), settings=settings,
-        work=Path(spec["work"]) if spec.get("work") else None,
-        bootstrap_samples=int(spec.get("bootstrap_samples", 2000)), bootstrap_seed=int(spec.get("bootstrap_seed", 0)),
-        launch=tuple(str(x) for x in spec.get("launch") or ()),
-        contrasts=_contrasts(spec.get("contrasts"), source),
-    )
-    if not NAME.match(config.name):
-        raise ValueError(f"{source}: name {config.name!r} must be letters, digits, '.', '_' or '-'")
-    config.arm(config.baseline)  # raises when the baseline is not an arm
-    for name in (name for pair in config.contrasts for name in pair):
-        config.arm(name)  # raises when a contrast names no arm
-    if config.steps < 1 or config.eval_limit < 1 or config.bootstrap_samples < 100:
-        raise ValueError(f"{source}: steps and eval.limit must be >= 1 and bootstrap_samples >= 100")
+    contrasts = _contrasts(spec.get("contrasts"), source)
+    try:  # ExperimentConfig checks its values (name, baseline, contrasts, steps, ...): named with the file here
+        config = ExperimentConfig(
+            name=str(spec["name"]), out=Path(spec["out"]), steps=int(spec["steps"]), arms=tuple(arms),
+            eval_benchmarks=tuple(evaluation["benchmarks"]), eval_limit=int(evaluation.get("limit", 100)),
+            baseline=str(spec.get("baseline", arms[0].name)), settings=settings,
+            work=Path(spec["work"]) if spec.get("work") else None,
+            bootstrap_samples=int(spec.get("bootstrap_samples", 2000)),
+            bootstrap_seed=int(spec.get("bootstrap_seed", 0)),
+            launch=tuple(str(x) for x in spec.get("launch") or ()),
+            contrasts=contrasts,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     for arm, seed in config.runs():
         try:
             config.train_config(arm, seed)

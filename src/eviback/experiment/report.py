@@ -302,6 +302,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot_curves(result: dict[str, Any], path: Path) -> Path:
+    # matplotlib (a second to import) and its headless backend, chosen before pyplot loads: for the figure only
     import matplotlib
 
     matplotlib.use("Agg")

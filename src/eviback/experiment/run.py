@@ -37,7 +37,12 @@ from pathlib import Path
 
 import yaml
 
+from eviback.data import file_sha256, load_suite
+from eviback.evaluate import run_eval
 from eviback.experiment.config import Arm, ExperimentConfig
+from eviback.log_format import configure_logging
+from eviback.train.config import TrainConfig
+from eviback.train.runner import held_out_eval_config, initial_policy, write_start_record
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +217,6 @@ def _evaluate_this_start(config: ExperimentConfig, work: Path, wanted: set[str] 
 
 
 def _evaluate_start_child(work: str, wanted: list[str] | None = None) -> None:
-    from eviback.evaluate import run_eval
-    from eviback.log_format import configure_logging
-    from eviback.train.config import TrainConfig
-    from eviback.train.runner import held_out_eval_config, initial_policy, write_start_record
-
     configure_logging(logging.INFO)
     config = TrainConfig.from_settings(yaml.safe_load((Path(work) / "config.yaml").read_text()))
     policy = initial_policy(config)
@@ -297,8 +297,6 @@ def _evaluate_other_start(config: ExperimentConfig, git_commit: bool,
 def spec_of(config: ExperimentConfig) -> dict:
     """The experiment as it ran (every default filled in), kept beside its results. The data suite is named by
     its files' hashes, not by this machine's path."""
-    from eviback.data import file_sha256, load_suite
-
     settings = dict(config.settings)
     suite = load_suite(settings.get("data"))
     files = [suite.corpus, *suite.train, *suite.eval.values()]

@@ -5,16 +5,28 @@
 
 vLLM engines are cached per process (starting one takes about a minute); an HF backend is a plain object
 that can also wrap a model you already hold (`HFBackend(model, tokenizer)`).
+
+The engines' modules (torch, transformers, vLLM) are imported by :func:`load_backend`, for the engine it
+starts: a configuration that names an engine does not load one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from eviback import device as devices
 from eviback import dtype as dtypes
-from eviback.generation.base import Completion, FinishReason, GenerationBackend, SamplingConfig
+from eviback.generation.base import (
+    EXECUTORS,
+    HF_CACHES,
+    Completion,
+    FinishReason,
+    GenerationBackend,
+    SamplingConfig,
+)
 from eviback.policy import DEFAULT_MODEL
+from eviback.settings import check_fields
 
 BACKENDS = ("vllm", "hf")
 
@@ -39,10 +51,25 @@ class BackendConfig:
     threads: int | None = field(default=None, metadata={"help": "torch threads (None: the backend's default: vllm 1 while generating, hf torch's own)"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         dtypes.check(self.dtype)
         devices.check_device(self.device)
+        # the engine's own config checks these again when it starts; here they are refused before any work
+        if self.max_model_len < (256 if self.backend == "vllm" else 1):
+            raise ValueError(f"max_model_len must be >= 256 for vllm (a Search-R1 prompt alone is longer; use "
+                             f">= 1024) and >= 1 for hf, got {self.max_model_len}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
+        if self.hf_cache not in HF_CACHES:
+            raise ValueError(f"hf_cache must be one of {', '.join(HF_CACHES)}, got {self.hf_cache!r}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 (GiB), or None for the engine's default, got {self.kv_cache_gib}")
+        for name in ("block_size", "hf_batch_size", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, or None for the backend's default, got {value}")
 
 
 def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
@@ -53,8 +80,6 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
 
         return HFBackend.load(config.model, config.dtype, config.threads, config.hf_batch_size, device=config.device,
                               cache=config.hf_cache)
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("backend=vllm but vLLM is not installed in this environment: install it (on a GPU "
                            "machine the README's 'On a GPU' section; on a CPU the `vllm` extra), or generate with "

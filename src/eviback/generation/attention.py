@@ -21,6 +21,9 @@ import logging
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +35,6 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                            is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature: query (B, H, q, D), key/value (B, H_kv, L, D);
     returns (B, q, H, D)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if q_len != 1 or heads == kv_heads or dropout or heads % kv_heads:
@@ -54,9 +55,6 @@ def register() -> str:
     """Register the grouped attention (and SDPA's mask format for it) with transformers; returns its name."""
     global _registered
     if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
         AttentionInterface.register(GROUPED, grouped_sdpa_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED, sdpa_mask)
         _registered = True

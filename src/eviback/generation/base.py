@@ -8,20 +8,31 @@ sampled, and their log-probabilities belong to them.
 Stop strings follow vLLM's rule on both backends: generation stops after the first token whose decoded
 text completes a stop string. That token may carry a few characters past the stop string (e.g. a token
 `>.` completing `</answer>`); the ids are kept as sampled, and `Completion.text` is their decoding.
+
+torch is imported by the functions that use it: the contract and its records are read by every module that
+handles rollouts, most of which never load a model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from eviback.protocol import STOP_STRINGS
+from eviback.settings import check_fields
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
+
+# The choices of the engines' settings, here (no torch) so that a BackendConfig checks them when it is built
+EXECUTORS = ("inprocess", "multiprocess", "external_launcher")  # how a vLLM engine runs (VllmConfig.executor)
+HF_CACHES = ("auto", "dynamic", "static")  # the KV cache of the HF backend (BackendConfig.hf_cache)
+
 
 class FinishReason(enum.StrEnum):
     """Why one sequence of a `generate` call stopped."""
@@ -43,9 +54,10 @@ class SamplingConfig:
     logprobs: bool = field(default=True, metadata={"help": "return the log-probability of every sampled token"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to turn nucleus sampling off")
@@ -142,9 +154,9 @@ class SamplerRNG:
         if self.cuda_device is not None:
             self._cuda_state = self._fresh_cuda_state(seed)
 
-    def _fresh_cuda_state(self, seed: int):  # noqa: ANN202 - a torch.ByteTensor
-        """The state of a CUDA generator seeded with `seed`, made on a generator of its own (the device's
-        default generator is not touched)."""
+    def _fresh_cuda_state(self, seed: int) -> torch.Tensor:
+        """The state (a ByteTensor) of a CUDA generator seeded with `seed`, made on a generator of its own (the
+        device's default generator is not touched)."""
         import torch
 
         return torch.Generator(device=f"cuda:{self.cuda_device}").manual_seed(seed).get_state()
@@ -211,7 +223,7 @@ def request_caps(count: int, params: SamplingConfig, max_tokens: Sequence[int] |
     return list(max_tokens)
 
 
-def stop_cut(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> int | None:  # noqa: ANN001
+def stop_cut(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], stops: Sequence[str]) -> int | None:
     """The number of leading ids up to and including the first token whose decoded text completes one
     of `stops`, or None when no stop string occurs. Binary search over prefix decodings: a prefix that
     contains a stop string stays containing it when extended."""

@@ -25,8 +25,19 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
+from eviback.generation.attention import use_grouped_decode_attention
 from eviback.generation.base import (
+    HF_CACHES,
     Completion,
     FinishReason,
     SamplerRNG,
@@ -35,7 +46,7 @@ from eviback.generation.base import (
     request_caps,
 )
 from eviback.generation.stops import StopMatcher
-from eviback.policy import torch_threads
+from eviback.policy import load_model, load_tokenizer, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +77,7 @@ class _SampledLogprobs:
 
 
 CPU_BATCH_SIZE = 16  # sequences per generate call on the CPU (a GPU takes a whole call at once)
-CACHES = ("auto", "dynamic", "static")
+CACHES = HF_CACHES
 
 
 class HFBackend:
@@ -90,8 +101,8 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, batch_size: int | None = None, threads: int | None = None, *,  # noqa: ANN001
-                 cache: str = "auto", compile: bool = False, grouped_attention: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int | None = None,
+                 threads: int | None = None, *, cache: str = "auto", compile: bool = False, grouped_attention: bool | None = None) -> None:
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (or None: 16 on the CPU, a whole call on a GPU), got {batch_size}")
         if threads is not None and threads < 1:
@@ -112,8 +123,6 @@ class HFBackend:
         if grouped_attention is None:
             grouped_attention = self.accelerator
         if grouped_attention:
-            from eviback.generation.attention import use_grouped_decode_attention
-
             grouped_attention = use_grouped_decode_attention(model)
         self.grouped_attention = grouped_attention
         self.max_context = int(getattr(model.config, "max_position_embeddings", 4096))
@@ -127,7 +136,7 @@ class HFBackend:
         self.rng = SamplerRNG(cuda_device=cuda_index)
 
     @property
-    def device(self):  # noqa: ANN201 - a torch.device
+    def device(self) -> torch.device:
         """Where the model is (and where its inputs go)."""
         return next(self.model.parameters()).device
 
@@ -138,8 +147,6 @@ class HFBackend:
         `threads`: torch threads while generating, restored after each call (None: the process's setting). On
         a 2-core machine shared with other jobs, 1 thread was several times faster than 2 (OpenMP threads
         spin-waiting for a busy core). `options`: the constructor's keyword arguments."""
-        from eviback.policy import load_model, load_tokenizer
-
         return cls(load_model(model, dtype, device=device, what="policy engine (hf)"), load_tokenizer(model, dtype),
                    batch_size, threads, **options)  # type: ignore[arg-type]
 
@@ -164,14 +171,6 @@ class HFBackend:
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[Sequence[int]], params: SamplingConfig, caps: list[int]) -> list[Completion]:
-        from transformers import (
-            GenerationConfig,
-            LogitsProcessorList,
-            StoppingCriteriaList,
-            TemperatureLogitsWarper,
-            TopPLogitsWarper,
-        )
-
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -284,7 +283,7 @@ class _StopOnIds:
         return self.state == self.matched
 
 
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:  # noqa: ANN001
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:

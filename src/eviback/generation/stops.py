@@ -18,6 +18,8 @@ space when it is decoded alone; the Search-R1 tags (`</search>`, `</answer>`) ha
 
     matcher = StopMatcher.for_tokenizer(tokenizer, ("</search>", "</answer>"))
     matcher.first_stop(ids)     # how many leading ids up to the completing token, or None
+
+torch is imported only to put the table on a model's device: the matcher itself is numpy.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StopMatcher:
@@ -112,7 +117,7 @@ class StopMatcher:
                 return n
         return None
 
-    def device_table(self, device: Any):  # noqa: ANN201 - a torch.Tensor
+    def device_table(self, device: Any) -> torch.Tensor:
         """The table as a (states + 1, vocab) long tensor on `device` (cached per device)."""
         import torch
 

@@ -27,6 +27,9 @@ with a fake engine; it has not been run on a GPU (docs/rollout.md, "vLLM on a GP
     backend.sleep()                               # a GPU engine frees its memory for the update
     backend.update_weights(policy.state_dict())   # e.g. after an optimiser step
     backend.wake()                                # ready for the next rollouts
+
+vllm itself is imported where an engine starts or samples: the configuration and the device rules here are
+used, and tested with a fake engine, where vLLM is not installed, and importing it takes seconds.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.generation.base import (
+    EXECUTORS,
     Completion,
     FinishReason,
     SamplerRNG,
@@ -55,11 +60,16 @@ from eviback.generation.base import (
     kv_bytes_per_token,
     request_caps,
 )
-from eviback.policy import DEFAULT_MODEL, torch_threads
+from eviback.log_format import call_quietly, quiet, verbose
+from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, torch_threads
+from eviback.settings import check_fields
+
+if TYPE_CHECKING:
+    from vllm import LLM
+    from vllm.outputs import CompletionOutput
 
 log = logging.getLogger(__name__)
 
-EXECUTORS = ("inprocess", "multiprocess", "external_launcher")
 SLEEP_LEVELS = (1, 2)
 ENGINE_RECORD = "policy engine (vLLM)"  # how the engine's model is named in eviback.device's records
 GIB = 1024 ** 3
@@ -102,8 +112,13 @@ class VllmConfig:
                              "in CPU memory (for an engine that gets no weight push, e.g. multiprocess)"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         dtypes.check(self.dtype)
         devices.check_device(self.device, what="VllmConfig.device")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, or None to leave torch's setting, got {self.threads}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
         if self.max_model_len < 256:
@@ -202,8 +217,6 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, config: VllmConfig) -> None:
-        from eviback.policy import load_tokenizer, resolve_model
-
         requested = config.device
         device, reason = engine_device(requested, installed_build(), config.executor)
         self.config = config = resolved_config(config, device)
@@ -289,27 +302,33 @@ class VllmBackend:
             return contextlib.nullcontext()
         return torch.cuda.device(self._cuda_index)
 
-    def _start(self, path: str, extra: dict):  # noqa: ANN202 - a vllm.LLM
+    def _start(self, path: str, extra: dict) -> LLM:
         from vllm import LLM
 
         config = self.config
-        return LLM(
-            model=path,
-            tokenizer=path,
-            dtype=config.dtype,
-            seed=config.seed,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            enable_prefix_caching=config.prefix_caching,
-            **({"block_size": config.block_size} if config.block_size else {}),
-            # Log-probabilities after temperature/top-p, the distribution actually sampled from (TRL's
-            # importance-sampling correction expects these).
-            logprobs_mode="processed_logprobs",
-            **extra,
-        )
+        # The known, harmless warnings of an engine's start, silenced for this call only (log_format.KNOWN_NOISE;
+        # `-v` shows them): torch's deprecated alias its module scan touches, and the NUMA policy its CPU worker
+        # prints from C++. Its checkpoint-loading bar is a step of the start eviback logs itself.
+        with quiet("vllm-reduce-op"), _quiet_numa_binding(self._cpu):
+            return LLM(
+                model=path,
+                tokenizer=path,
+                dtype=config.dtype,
+                seed=config.seed,
+                max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                enable_prefix_caching=config.prefix_caching,
+                **({"block_size": config.block_size} if config.block_size else {}),
+                # Log-probabilities after temperature/top-p, the distribution actually sampled from (TRL's
+                # importance-sampling correction expects these).
+                logprobs_mode="processed_logprobs",
+                use_tqdm_on_load=verbose(),
+                **extra,
+            )
 
-    def _worker(self):  # noqa: ANN202 - a vLLM worker
-        """The in-process engine's worker (its `model_runner.model` is the engine's torch model)."""
+    def _worker(self) -> Any:
+        """The in-process engine's worker, of the platform's worker class (its `model_runner.model` is the
+        engine's torch model)."""
         if self.config.executor == "multiprocess":
             raise ValueError("a multiprocess engine's worker runs in another process: use executor='inprocess'")
         return self.llm.llm_engine.model_executor.driver_worker.worker
@@ -361,7 +380,7 @@ class VllmBackend:
                 outputs = self.llm.generate(requests, [by_cap[c] for c in caps], use_tqdm=False)
         return [self._completion(out.outputs[0], params, out.num_cached_tokens or 0) for out in outputs]
 
-    def _completion(self, output, params: SamplingConfig, cached: int) -> Completion:  # noqa: ANN001 - vllm CompletionOutput
+    def _completion(self, output: CompletionOutput, params: SamplingConfig, cached: int) -> Completion:
         ids = tuple(output.token_ids)
         if output.finish_reason == "length":
             reason = FinishReason.LENGTH
@@ -391,7 +410,7 @@ class VllmBackend:
         self.rng.reseed(seed)
         self.reset_prefix_cache()
 
-    def _sampling_stream(self):  # noqa: ANN202 - a context manager
+    def _sampling_stream(self) -> contextlib.AbstractContextManager[None]:
         """In-process, sampling draws from the backend's own stream; a multiprocess engine has its own."""
         if self.config.executor == "multiprocess":
             return contextlib.nullcontext()
@@ -541,6 +560,25 @@ def _unscannable_modules() -> list[str]:
                     names.append(name)
                     break
     return names
+
+
+@contextlib.contextmanager
+def _quiet_numa_binding(cpu: bool) -> Iterator[None]:
+    """vLLM's CPU worker binds its memory to a NUMA node when it is made (`CPUWorker.__init__`, through
+    `torch.ops._C.init_cpu_memory_env`, whose C++ writes the policy straight to the process's stderr): that
+    constructor's stderr is filtered for the line (log_format.KNOWN_NOISE["vllm-numa"]) and every other line
+    written back. (The op itself cannot be wrapped beforehand: vLLM loads its C extension while it starts.)"""
+    if not cpu:
+        yield
+        return
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    made = CPUWorker.__init__
+    CPUWorker.__init__ = call_quietly(made, ["vllm-numa"])
+    try:
+        yield
+    finally:
+        CPUWorker.__init__ = made
 
 
 @contextlib.contextmanager

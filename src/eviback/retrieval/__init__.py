@@ -15,7 +15,7 @@ from eviback.retrieval.manifest import IndexMismatchError, Manifest, read_manife
 
 def __getattr__(name: str):
     # The client needs httpx; import it only when asked for.
-    if name in ("RetrievalClient", "RetrievalError"):
+    if name in ("RetrievalClient", "RetrievalError", "RetrieverUnavailable"):
         from eviback.retrieval import client
 
         return getattr(client, name)
@@ -31,6 +31,7 @@ __all__ = [
     "Manifest",
     "RetrievalClient",
     "RetrievalError",
+    "RetrieverUnavailable",
     "Retriever",
     "ServerConfig",
     "build_index",

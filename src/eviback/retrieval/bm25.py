@@ -4,6 +4,9 @@ Build one with `eviback index CORPUS --out DIR` (or :func:`eviback.retrieval.bui
 :func:`eviback.retrieval.load_retriever`. Passages and queries are lower-cased, split on words and stripped of
 English stopwords; scoring is Lucene's BM25 with Pyserini's defaults (k1=0.9, b=0.4), the retriever
 Search-R1 uses. Passages whose score is 0 (no query word in common) are not returned, as in Lucene.
+
+bm25s is imported where an index is built, loaded or searched: it takes about a second to import, which a
+process that never touches a BM25 index should not pay.
 """
 
 from __future__ import annotations

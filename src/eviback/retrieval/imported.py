@@ -17,6 +17,9 @@ At search time the IVF-PQ index proposes `rerank` candidates per query and each 
 against its original vector, read by row from the flat file (see `flatfile.RowReader`), so the scores are
 the flat index's inner products and the top-k is exact whenever the true top-k are among the candidates.
 The manifest records the flat file's path and fingerprint; a moved or replaced file is refused at load.
+
+FAISS (the `dense` extra) is imported where an index is built or opened: this module is read to dispatch on
+an index's kind whether or not it is installed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from eviback import __version__
 from eviback.cache import cache_dir, file_lock
@@ -171,7 +175,6 @@ def import_faiss(
 def _build_compressed(flat: FlatFile, config: FaissImportConfig, *, progress: bool) -> Any:
     """Train IVF-PQ / IVF-SQ8 on a random sample of the flat file's rows, then add every row, chunk by chunk."""
     import faiss
-    from tqdm import tqdm
 
     # "np": no polysemous training (a slow reordering of the PQ centroids for Hamming filtering, unused here).
     codes = f"PQ{config.pq_m}np" if config.compression == "ivfpq" else "SQ8"

@@ -12,6 +12,9 @@ complete; an interrupted dense build resumes from `<dir>.partial/`.
 
 Loading checks that the corpus the index was built from is unchanged (by its sha256) and refuses it
 otherwise: the index would return passages that are no longer the corpus's.
+
+The kinds' modules are imported here (their heavy libraries, bm25s and FAISS, only where an index is built or
+opened); the `/retrieve` client is imported for a URL alone, since it loads httpx.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ from eviback import __version__
 from eviback.cache import cache_dir, file_lock
 from eviback.data import DataSuite, file_sha256, load_suite
 from eviback.retrieval.base import Retriever
-from eviback.retrieval.config import BM25Config, DenseConfig, IndexKind
+from eviback.retrieval.bm25 import BM25Index
+from eviback.retrieval.bm25 import build as build_bm25
+from eviback.retrieval.config import BM25Config, ClientConfig, DenseConfig, IndexKind
+from eviback.retrieval.dense import DenseIndex
+from eviback.retrieval.dense import build as build_dense
+from eviback.retrieval.imported import ImportedIndex
 from eviback.retrieval.manifest import (
     MANIFEST_FILE,
     IndexMismatchError,
@@ -124,12 +132,9 @@ def build_index(
         work.mkdir(parents=True, exist_ok=True)
         _write_json(work / BUILD_STATE_FILE, state)
         started = time.perf_counter()
-        if kind is IndexKind.BM25:
-            from eviback.retrieval import bm25 as module
-        else:
-            from eviback.retrieval import dense as module
+        build = build_bm25 if kind is IndexKind.BM25 else build_dense
         config = (bm25 or BM25Config()) if kind is IndexKind.BM25 else (dense or DenseConfig())
-        count = module.build(corpus, work, config, progress=progress)
+        count = build(corpus, work, config, progress=progress)
         manifest = Manifest(
             kind=kind,
             corpus_path=str(corpus),
@@ -187,16 +192,10 @@ def load_index(directory: str | os.PathLike, *, verify_corpus: bool = True,
     if verify_corpus:
         check_corpus(directory, manifest, known_sha256)
     if manifest.kind is IndexKind.FAISS_IMPORT:
-        from eviback.retrieval.imported import ImportedIndex
-
         retriever: Any = ImportedIndex(directory, manifest.params)
     elif manifest.kind is IndexKind.BM25:
-        from eviback.retrieval.bm25 import BM25Index
-
         retriever = BM25Index(directory, BM25Config(**manifest.params))
     else:
-        from eviback.retrieval.dense import DenseIndex
-
         retriever = DenseIndex(directory, DenseConfig(**manifest.params))
     if len(retriever) != manifest.passages:
         retriever.close()
@@ -205,24 +204,26 @@ def load_index(directory: str | os.PathLike, *, verify_corpus: bool = True,
     return retriever
 
 
-def load_retriever(spec: str | os.PathLike) -> Retriever:
+def load_retriever(spec: str | os.PathLike, client: ClientConfig | None = None) -> Retriever:
     """A retriever from `spec`: an index directory, or the `http://` / `https://` URL of a `/retrieve`
-    service (`eviback serve`), which gives its client."""
+    service (`eviback serve`), which gives its client, configured by `client` (default: `ClientConfig()`;
+    ignored for an index)."""
     text = os.fspath(spec)
     if text.startswith(("http://", "https://")):
-        from eviback.retrieval.client import RetrievalClient
+        from eviback.retrieval.client import RetrievalClient  # httpx: loaded for a URL only
 
-        return RetrievalClient(text)
+        return RetrievalClient(text, client)
     return load_index(text)
 
 
 def open_retriever(spec: str | os.PathLike | None, suite: DataSuite | None = None,
-                   kind: IndexKind | str = IndexKind.BM25) -> Retriever:
+                   kind: IndexKind | str = IndexKind.BM25, client: ClientConfig | None = None) -> Retriever:
     """The retriever a run's `retriever` setting chooses: the index directory or `/retrieve` URL `spec`
-    names (:func:`load_retriever`), or, when it names none, the `kind` index (BM25 by default) of `suite`'s
-    corpus, built once and cached (:func:`suite_retriever`; default: the embedded suite)."""
+    names (:func:`load_retriever`; `client` configures the client of a URL), or, when it names none, the
+    `kind` index (BM25 by default) of `suite`'s corpus, built once and cached (:func:`suite_retriever`;
+    default: the embedded suite)."""
     if spec:
-        return load_retriever(spec)
+        return load_retriever(spec, client)
     return suite_retriever(suite, kind)
 
 

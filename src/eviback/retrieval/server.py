@@ -226,7 +226,7 @@ class Batcher:
             started = time.perf_counter()
             try:
                 results = await asyncio.to_thread(self.retriever.search, queries, topk)
-            except Exception as e:  # noqa: BLE001 - one failed search must fail its requests, not the service
+            except Exception as e:  # any error: one failed search must fail its requests, not the service
                 log.exception("search of %d queries failed", len(queries))
                 for pending in group:
                     if not pending.future.done():
@@ -295,7 +295,7 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None,
         batcher.stats.queries += len(parsed.queries)
         try:
             results = await batcher.search(parsed.queries, parsed.topk)
-        except Exception as e:  # noqa: BLE001 - reported to the client; the service keeps running
+        except Exception as e:  # any error is reported to the client; the service keeps running
             batcher.stats.failed += 1
             return JSONResponse({"detail": f"search failed: {type(e).__name__}: {e}"}, status_code=500)
         return Response(render_response(results, parsed.return_scores), media_type="application/json")
@@ -319,7 +319,7 @@ def create_app(retriever: Retriever, config: ServerConfig | None = None,
 
 def serve(retriever: Retriever, config: ServerConfig | None = None, info: Mapping[str, Any] | None = None) -> None:
     """Serve `retriever` until interrupted (blocking). Prints the URL once the service accepts requests."""
-    import uvicorn
+    import uvicorn  # the server alone: `create_app` (and the tests' client) run the app without it
 
     config = config or ServerConfig()
     # Searches run in a worker thread while the event loop parses requests. With Python's default 5 ms

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from eviback.data import DataError, iter_corpus
 from eviback.types import Passage
@@ -37,8 +38,6 @@ def write_store(corpus: str | os.PathLike, directory: Path, *, progress: bool = 
     Memory is 16 bytes per passage (an offset and an id hash in typed arrays): 340 MB for wiki-18's 21M
     passages, where a dict of ids and a list of offsets would take about 3 GB. A duplicate id is therefore
     found when the corpus has been read, by sorting the hashes (and confirmed on the ids themselves)."""
-    from tqdm import tqdm
-
     directory.mkdir(parents=True, exist_ok=True)
     tmp_passages = directory / (PASSAGES_FILE + ".tmp")
     offsets = array("q", [0])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import random
 import threading
 import time
@@ -24,13 +25,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from eviback.data import DataError, read_jsonl
 from eviback.policy import torch_threads
+from eviback.settings import check_fields
 from eviback.teacher.cache import ReplyCache
 from eviback.teacher.chat import ChatRequest, SchemaViolation, TeacherCallError, TeacherClient
+from eviback.teacher.evidence_judge import open_classifier
 from eviback.teacher.labels import Agreement, agreement, trajectory_label
 from eviback.teacher.policy import TeacherPolicy
+from eviback.teacher.rules import RuleClient
 from eviback.teacher.workflow import StageOutcome, parse_reply, run_workflow
 from eviback.types import Group, Status, Trajectory, Verdict, from_dict
 
@@ -53,10 +58,17 @@ class RetryConfig:
     jitter: float = 0.25  # +- fraction of random jitter, so concurrent retries do not stampede a server
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts={self.max_attempts} must be >= 1 (1 means no retry)")
-        if self.backoff_s < 0 or self.backoff_factor < 1 or self.max_backoff_s < 0:
-            raise ValueError("backoff_s and max_backoff_s must be >= 0 and backoff_factor >= 1")
+            raise ValueError(f"max_attempts={self.max_attempts} (the --max-attempts option) must be >= 1 (1 means no "
+                             "retry)")
+        for name, option in (("backoff_s", " (the --backoff option)"), ("max_backoff_s", "")):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}{option} must be a number of seconds >= 0, got {getattr(self, name)}")
+        if not 1 <= self.backoff_factor < math.inf:
+            raise ValueError(f"backoff_factor must be >= 1 (1: the same wait each time), got {self.backoff_factor}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"jitter must be in [0, 1] (a fraction of the wait), got {self.jitter}")
 
     def wait_s(self, attempt: int, rng: random.Random) -> float:
         """The wait after failed attempt number `attempt` (1-based)."""
@@ -72,8 +84,12 @@ class JudgeConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the check below compares a number
+        if not isinstance(self.retry, RetryConfig):
+            raise ValueError(f"JudgeConfig.retry must be a RetryConfig, got {self.retry!r}")
         if self.concurrency < 1:
-            raise ValueError(f"concurrency={self.concurrency} must be >= 1")
+            raise ValueError(f"concurrency={self.concurrency} (the --concurrency option; teacher_concurrency in a "
+                             "training run) must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -151,12 +167,8 @@ class Teacher:
         self.stage_clients: dict[str, TeacherClient] = {}
         for stage in policy.stages:
             if stage.is_rule:
-                from eviback.teacher.rules import RuleClient
-
                 self.stage_clients[stage.name] = RuleClient(stage.backend)
             elif stage.is_classifier:
-                from eviback.teacher.evidence_judge import open_classifier
-
                 self.stage_clients[stage.name] = open_classifier(stage.backend, device)
 
     # ----------------------------------------------------------------------------------------------
@@ -205,13 +217,6 @@ class Teacher:
     def stats(self) -> TeacherStats:
         with self._lock:
             return TeacherStats(by_stage=dict(self._stats))
-
-    def reset_stats(self) -> TeacherStats:
-        """The stats so far, and start counting afresh (e.g. per training step)."""
-        with self._lock:
-            snapshot = TeacherStats(by_stage=dict(self._stats))
-            self._stats.clear()
-            return snapshot
 
     def close(self) -> None:
         """Stop the teacher's threads; with `owns_resources`, also close the client and the cache."""
@@ -376,6 +381,9 @@ class JudgeSummary:
     rollouts_per_s: float
     error_examples: tuple[str, ...] = ()
     stage_a_agreement: Agreement | None = None  # with the evidence labels (`eviback judge --labels`)
+    # the trained evidence judge that decided Stage A, if one did: its name, hash and held-out figures
+    # (eviback.teacher.evidence_judge.Competence.to_dict)
+    evidence_judge: Mapping[str, Any] | None = None
 
 
 def summarize(

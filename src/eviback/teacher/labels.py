@@ -11,15 +11,21 @@ status decision against, and as E2E-APE's objective. The rule (docs/teacher.md h
 - **single-hop questions** (every question without gold supporting passages, and PopQA/NQ, whose second
   gold passage is the answer's own article, which the question does not name): S when the evidence contains
   the answer, else I;
-- **multi-hop questions** (HotpotQA, 2WikiMultiHopQA, MuSiQue with `gold_passage_ids`): S when the evidence
+- **multi-hop questions** (HotpotQA, 2WikiMultiHopQA, MuSiQue with supporting passages): S when the evidence
   contains the answer *and* every supporting passage was seen; A when it contains the answer without the
   full support, or some supporting passages without the answer; I otherwise.
 
-A supporting passage counts as seen when its `Doc i(Title: ...)` header survived the observation cut.
+A supporting passage counts as seen when its `Doc i(Title: ...)` header survived the observation cut. A
+question names its supporting passages by corpus id (`metadata.gold_passage_ids`) or, in data that has only
+their titles (`metadata.supporting_titles`: the multi-hop training files of the FlashRAG-layout data release),
+by title: the corpus passages of those titles are then its support, and a title counts as seen when a passage
+of that title was seen (its header names it). Ids, where a question has them, decide: they name the very
+paragraphs (MuSiQue's evaluation contexts hold other paragraphs of the same articles).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,9 +40,37 @@ _YES_NO = frozenset({"yes", "no"})
 LABEL_VALUE = {Status.SUFFICIENT: 1.0, Status.AMBIGUOUS: 0.5, Status.INSUFFICIENT: 0.0}
 
 
+def supporting_titles(question: Question) -> tuple[str, ...]:
+    """The titles of the question's supporting passages, where its data names them (`supporting_titles`)."""
+    return tuple(str(t) for t in question.metadata.get("supporting_titles", ()) or ())
+
+
 def is_multi_hop(question: Question) -> bool:
-    """Whether the label asks for the support: a multi-hop data set, with gold supporting passage ids."""
-    return question.dataset.lower() in MULTI_HOP_DATASETS and bool(question.gold_passage_ids)
+    """Whether the label asks for the support: a multi-hop data set, with supporting passages named by id or,
+    failing ids, by title."""
+    return question.dataset.lower() in MULTI_HOP_DATASETS and bool(question.gold_passage_ids
+                                                                   or supporting_titles(question))
+
+
+# A passage block's header as rendered (`eviback.protocol.render_passages`): the title keeps the corpus's quotes.
+_HEADER_TITLE = re.compile(r'(?m)^Doc \d+\(Title: "(.*?)"\)')
+
+
+def seen_titles(text: str) -> set[str]:
+    """The titles of the passages whose header is in `text` (evidence as the actor saw it)."""
+    return set(_HEADER_TITLE.findall(text))
+
+
+def _support_seen(question: Question, evidence: Sequence[SeenEvidence]) -> tuple[bool, bool]:
+    """(every supporting passage seen, some seen) for a multi-hop question; (False, False) for the others.
+    By id where the question has ids, else by title (the module doc)."""
+    if not is_multi_hop(question):
+        return False, False
+    if question.gold_passage_ids:
+        support, seen = set(question.gold_passage_ids), {pid for e in evidence for pid in e.passage_ids}
+    else:
+        support, seen = set(supporting_titles(question)), seen_titles(render_seen(evidence))
+    return support <= seen, bool(support & seen)
 
 
 def is_yes_no(question: Question) -> bool:
@@ -47,15 +81,12 @@ def is_yes_no(question: Question) -> bool:
 def evidence_label(question: Question, evidence: Sequence[SeenEvidence]) -> Status:
     """The S/A/I label of `evidence` (as the actor saw it) for `question`; the rule is in the module doc."""
     text = render_seen(evidence)
-    seen_ids = {pid for e in evidence for pid in e.passage_ids}
-    support = set(question.gold_passage_ids) if is_multi_hop(question) else set()
-    full_support = bool(support) and support <= seen_ids
-    some_support = bool(support & seen_ids)
+    full_support, some_support = _support_seen(question, evidence)
     if is_yes_no(question):
         has_answer = full_support
     else:
         has_answer = any(answer_in_evidence(g, text) for g in question.golden_answers)
-    if not support:
+    if not is_multi_hop(question):
         return Status.SUFFICIENT if has_answer else Status.INSUFFICIENT
     if has_answer and full_support:
         return Status.SUFFICIENT
@@ -67,14 +98,19 @@ def evidence_label(question: Question, evidence: Sequence[SeenEvidence]) -> Stat
 def passage_label(question: Question, text: str, passage_id: str | None = None) -> Status:
     """The label of one passage (as the actor saw it) for `question`, what a passage judge learns: S when
     it holds a gold answer (never for a yes/no question: no passage states its answer), A when it is one of
-    the question's gold supporting passages without the answer (multi-hop questions), I otherwise. The
+    the question's gold supporting passages without the answer (multi-hop questions: by `passage_id`, or by
+    the title in its header for a question whose support is named by title only), I otherwise. The
     evidence is I by :func:`evidence_label` exactly when each of its passages is I by this rule (for
     questions whose answers occur within one passage)."""
-    support = set(question.gold_passage_ids) if is_multi_hop(question) else set()
     if not is_yes_no(question) and any(answer_in_evidence(g, text) for g in question.golden_answers):
         return Status.SUFFICIENT
-    if passage_id is not None and passage_id in support:
-        return Status.AMBIGUOUS
+    if is_multi_hop(question):
+        if question.gold_passage_ids:
+            supporting = passage_id is not None and passage_id in question.gold_passage_ids
+        else:
+            supporting = bool(seen_titles(text) & set(supporting_titles(question)))
+        if supporting:
+            return Status.AMBIGUOUS
     return Status.INSUFFICIENT
 
 

@@ -11,6 +11,9 @@ The reply is built field by field inside a fixed JSON skeleton, so it always par
 The prompt is prefilled once; every label and field continues from the same KV cache. Calls are serialised
 with a lock (one model, one forward at a time); the judge's thread pool still overlaps them with other work.
 This is the teacher of `eviback demo`: no server needed.
+
+torch is imported by the methods that run the model: a teacher configuration (which every command naming a
+teacher builds) does not load it.
 """
 
 from __future__ import annotations
@@ -20,17 +23,26 @@ import hashlib
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from eviback import dtype as dtypes
+from eviback.device import check_device, place
+from eviback.policy import DEFAULT_MODEL, load_model, load_tokenizer, set_threads
+from eviback.settings import check_fields
 from eviback.teacher.chat import ChatReply, ChatRequest, PermanentError
 from eviback.teacher.policy import OutputField
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
 class LocalBackendConfig:
     """Which model the local backend loads."""
 
-    model: str = "smollm2-135m"  # a bundled name or a local Hugging Face checkpoint directory
+    model: str = DEFAULT_MODEL  # a bundled name or a local Hugging Face checkpoint directory
     dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32 (eviback.dtype)
     # torch intra-op threads, process-wide; None leaves torch's setting. On a busy small machine 1 can be an
     # order of magnitude faster than 2 (OpenMP threads spinning against other processes).
@@ -40,9 +52,12 @@ class LocalBackendConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        from eviback.device import check_device
-
+        check_fields(self)  # types first: the checks below compare numbers
         check_device(self.device, what="local teacher device")
+        dtypes.check(self.dtype, what="local teacher dtype")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"local teacher threads (the --threads option) must be >= 1, or None to leave torch's "
+                             f"setting, got {self.threads}")
 
 
 # Upper bound on the tokens of one field's JSON skeleton (`{"status": "`, the label, the closing quote).
@@ -57,14 +72,10 @@ class LocalClient:
 
     in_process = True  # a Teacher runs it in the calling thread (Teacher.in_process)
 
-    def __init__(self, config: LocalBackendConfig = LocalBackendConfig(), *, model=None, tokenizer=None) -> None:  # noqa: ANN001
-        import dataclasses
-
-        from eviback.device import place
-        from eviback.policy import load_model, load_tokenizer, set_threads
-
+    def __init__(self, config: LocalBackendConfig = LocalBackendConfig(), *, model: PreTrainedModel | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         placement = place(config.device, config.dtype)  # the dtype `auto` means on the device it runs on
-        self.config = config = dataclasses.replace(config, dtype=placement.dtype)
+        self.config = config = replace(config, dtype=placement.dtype)
         set_threads(config.threads)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model, config.dtype)
         self.model = model if model is not None else load_model(config.model, config.dtype, config.threads,
@@ -145,7 +156,8 @@ class LocalClient:
         digest = hashlib.sha256(request.canonical_json().encode()).digest()
         return (int.from_bytes(digest[:4], "little") + base) % (2**31)
 
-    def _choose(self, state: _Continuation, labels: list[str], temperature: float, generator) -> int:  # noqa: ANN001
+    def _choose(self, state: _Continuation, labels: list[str], temperature: float,
+                generator: torch.Generator) -> int:
         import torch
 
         scores = torch.tensor([state.logprob(self._encode(label + '"')) for label in labels])
@@ -154,7 +166,8 @@ class LocalClient:
         probs = torch.softmax(scores / temperature, dim=0)
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def _generate(self, state: _Continuation, budget: int, temperature: float, generator) -> tuple[str, int]:  # noqa: ANN001
+    def _generate(self, state: _Continuation, budget: int, temperature: float,
+                  generator: torch.Generator) -> tuple[str, int]:
         import torch
 
         eos = self.tokenizer.eos_token_id
@@ -186,7 +199,7 @@ class _Continuation:
     """A token sequence with its KV cache, extendable, for scoring and greedy decoding. The ids run through
     the model are put on the model's device."""
 
-    def __init__(self, model, prompt_ids: list[int]) -> None:  # noqa: ANN001
+    def __init__(self, model: PreTrainedModel, prompt_ids: list[int]) -> None:
         self.model = model
         self.device = getattr(model, "device", None)  # a transformers model's; None: torch's default (a fake)
         self.ids: list[int] = list(prompt_ids)
@@ -195,7 +208,8 @@ class _Continuation:
         self._last_logits = out.logits[0, -1]
         self._pending: list[int] = []  # appended ids not yet run through the model
 
-    def _tensor(self, ids: list[int]):  # noqa: ANN202 - a (1, len(ids)) torch.LongTensor
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        """`ids` as a (1, len(ids)) LongTensor on the model's device."""
         import torch
 
         return torch.tensor([ids], device=self.device)
@@ -211,7 +225,8 @@ class _Continuation:
             self._last_logits = out.logits[0, -1]
             self._pending = []
 
-    def next_logits(self):  # noqa: ANN201
+    def next_logits(self) -> torch.Tensor:
+        """The (vocab,) logits of the next token."""
         self._flush()
         return self._last_logits
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -29,9 +30,16 @@ from typing import Any
 
 import httpx
 
+from eviback.settings import check_fields
 from eviback.teacher.chat import ChatReply, ChatRequest, PermanentError, TransientError
 
 log = logging.getLogger(__name__)
+
+# The default teacher server. Not port 8000, which `vllm serve` and llama-cpp-python's server would take by
+# default: 8000 is the retrieval service's (`eviback serve`, the port of Search-R1's retriever, whose rollout
+# code calls 127.0.0.1:8000/retrieve), and both run on one machine. Start the teacher with `--port 8001`.
+DEFAULT_PORT = 8001
+DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_PORT}/v1"
 
 
 class StructuredOutput(enum.StrEnum):
@@ -45,7 +53,7 @@ class StructuredOutput(enum.StrEnum):
 class HttpBackendConfig:
     """Where and how to reach an OpenAI-compatible chat endpoint."""
 
-    base_url: str = "http://127.0.0.1:8000/v1"  # up to and including /v1
+    base_url: str = DEFAULT_BASE_URL  # up to and including /v1
     model: str = ""  # the served model name; "" asks the server (GET /models) and takes its first model
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the API key ("" or unset: none sent)
     structured_output: StructuredOutput = StructuredOutput.RESPONSE_FORMAT  # see the module docstring
@@ -54,11 +62,17 @@ class HttpBackendConfig:
     max_tokens_field: str = "max_tokens"  # some hosted models want "max_completion_tokens"
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first (`structured_output` a StructuredOutput): the checks below compare
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {self.base_url!r} must start with http:// or https://")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
-        object.__setattr__(self, "structured_output", StructuredOutput(self.structured_output))
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout_s={self.timeout_s} (the --timeout option) must be > 0: every call needs a "
+                             "timeout")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections={self.max_connections} must be >= 1 (at least the judge's concurrency)")
+        if not self.max_tokens_field:
+            raise ValueError("max_tokens_field must name the request field of the completion budget: max_tokens, or "
+                             "max_completion_tokens for some hosted models")
 
 
 _RETRYABLE_STATUS = {408, 409, 425, 429}

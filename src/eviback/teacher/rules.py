@@ -45,7 +45,8 @@ def extractive_reply(payload: Mapping[str, Any], params: Mapping[str, int]) -> d
 def label_reply(payload: Mapping[str, Any], params: Mapping[str, int]) -> dict[str, str]:
     gold = payload["gold"]
     question = Question(id="", question=payload["question"], golden_answers=tuple(gold["answers"]),
-                        dataset=gold["dataset"], metadata={"gold_passage_ids": list(gold["passage_ids"])})
+                        dataset=gold["dataset"], metadata={"gold_passage_ids": list(gold["passage_ids"]),
+                                                           "supporting_titles": list(gold.get("supporting_titles", ()))})
     return {"status": evidence_label(question, _seen(payload)).value}
 
 

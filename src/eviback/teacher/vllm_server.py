@@ -14,6 +14,7 @@ about 1-2 minutes on a small CPU (vLLM compiles the model each start).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -25,7 +26,9 @@ from pathlib import Path
 
 import httpx
 
+from eviback.dtype import check as check_dtype
 from eviback.dtype import resolve as resolve_dtype
+from eviback.settings import check_fields
 
 
 def free_port() -> int:
@@ -47,6 +50,22 @@ class VllmServerConfig:
     startup_timeout_s: float = 600.0
     log_path: str = ""  # file for the server's output ("": discarded)
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
+        if not self.model_dir:
+            raise ValueError("model_dir must be a local checkpoint directory, e.g. resolve_model('smollm2-135m')")
+        if not self.served_name:
+            raise ValueError("served_name must name the model for the clients, e.g. 'teacher'")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0: a free one), got {self.port}")
+        for name in ("kv_cache_gib", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_dtype(self.dtype)
+        if not 0 < self.startup_timeout_s < math.inf:
+            raise ValueError(f"startup_timeout_s must be > 0 seconds (vLLM starts in 1-2 minutes on a small CPU), "
+                             f"got {self.startup_timeout_s}")
 
 
 class VllmServer:

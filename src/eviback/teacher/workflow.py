@@ -187,7 +187,7 @@ def rule_request(stage: StageSpec, view: BlindView, question: Question, sample_i
     """The request of a rule stage (`eviback.teacher.rules`): no prompt, one JSON object of exactly the inputs
     the stage sees: `question` (its text), `evidence` (each search result as the actor saw it, with the ids
     of the passages seen), `answer`, and, for a gold-aware rule only, `gold` (the gold answers, and the
-    data set and supporting passage ids that the evidence label needs)."""
+    data set and supporting passage ids, and titles where the data has them, that the evidence label needs)."""
     payload: dict[str, object] = {}
     if Input.QUESTION in stage.sees:
         payload["question"] = view.question
@@ -198,6 +198,8 @@ def rule_request(stage: StageSpec, view: BlindView, question: Question, sample_i
     if stage.sees_gold:
         payload["gold"] = {"answers": list(question.golden_answers), "dataset": question.dataset,
                            "passage_ids": list(question.gold_passage_ids)}
+        if titles := question.metadata.get("supporting_titles"):  # support named by title (teacher.labels)
+            payload["gold"]["supporting_titles"] = [str(t) for t in titles]
     text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     return ChatRequest(stage=stage.name, messages=(ChatMessage("user", text),), schema=reply_schema(stage),
                        decoding=stage.decoding, sample_index=sample_index)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -31,10 +32,17 @@ import yaml
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig
+from eviback.policy import DEFAULT_MODEL
 from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields, check_values, field_types, parse_setting_value
+from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig
+from eviback.teacher.local import LocalBackendConfig
+from eviback.teacher.openai_http import DEFAULT_BASE_URL
 
 PRESETS_PACKAGE = "eviback.train"
+# TRL 1.16's loss aggregations (GRPOConfig.loss_type; trl is pinned). TRL itself meets an unknown name only in
+# the first loss pass, after the warm start, the engine, the start evaluation and the judge: checked here.
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 
 @dataclass(frozen=True)
@@ -46,19 +54,30 @@ class TeacherSettings:
                         "single-prompt-dual-task) or a frozen policy file"})
     backend: str = field(default="local", metadata={"help": "local (in-process model) or http (an OpenAI-compatible "
                          "endpoint)"})
-    model: str = field(default="smollm2-135m", metadata={"help": "the teacher's model: a local model for the local "
-                       "backend, the served model name for http"})
-    url: str | None = field(default=None, metadata={"help": "base URL of the OpenAI-compatible server"})
+    model: str = field(default="", metadata={"help": "the teacher's model: a local model for the local backend, the "
+                       "served model name for http; empty: the backend's own default (the bundled SmolLM2 locally, "
+                       "the server's first model over http)"})
+    url: str | None = field(default=None, metadata={"help": "base URL of the OpenAI-compatible server (e.g. "
+                            f"{DEFAULT_BASE_URL})"})
     concurrency: int = field(default=8, metadata={"help": "concurrent teacher requests"})
     allow_leaky: bool = field(default=False, metadata={"help": "accept a teacher policy whose status stage sees the "
                               "gold answers (the single-prompt baseline); refused otherwise"})
+    accept_weak_judge: bool = field(default=False, metadata={"help": "train with a weak evidence judge as Stage A: one "
+                                    "whose held-out gate (I vs not-I balanced accuracy on its own held-out training "
+                                    "questions) is below 0.6 or was not measured; refused otherwise, before the warm "
+                                    "start. teacher.json records that the run accepted it"})
     stage_a: str = field(default="judge", metadata={"help": "with a local teacher and the two-stage policy: 'judge' "
                          "decides Stage A with the trained evidence judge (`eviback build-judge`, built from the "
                          "training questions on first use, then cached); 'prompted' keeps the policy's prompted "
                          "Stage A on the local model"})
     judge_max_questions: int = field(default=0, metadata={"help": "training questions the evidence judge is built "
                                      "from (0: all)"})
-    judge_epochs: float = field(default=3.0, metadata={"help": "training passes of the evidence judge"})
+    judge_epochs: float = field(default=3.0, metadata={"help": "training passes of a cross-encoder evidence judge "
+                                "(a bi-encoder trains no encoder: not used)"})
+    judge_architecture: str = field(default="bi-encoder", metadata={"help": "the evidence judge: 'bi-encoder' (the "
+                                    "encoder as shipped embeds question and passage apart; a logistic head on their "
+                                    "features is trained) or 'cross-encoder' (fine-tuned on the pairs, judge_epochs "
+                                    "passes); see docs/teacher.md"})
     judge_base_model: str = field(default="", metadata={"help": "the encoder the evidence judge is fine-tuned from "
                                   "(default: the bundled all-MiniLM-L6-v2); a local model directory"})
     judge_rollouts: list[str] = field(default_factory=list, metadata={"help": "rollout dumps (JSONL, .gz too) of the "
@@ -80,10 +99,60 @@ class TeacherSettings:
             raise ValueError(f"teacher_stage_a must be 'judge' or 'prompted', got {self.stage_a!r}")
         if self.stage_b not in ("extractive", "prompted"):
             raise ValueError(f"teacher_stage_b must be 'extractive' or 'prompted', got {self.stage_b!r}")
+        if self.judge_architecture not in ("bi-encoder", "cross-encoder"):
+            raise ValueError(f"judge_architecture must be 'bi-encoder' or 'cross-encoder', got "
+                             f"{self.judge_architecture!r}")
         if self.span_words < 0:
             raise ValueError(f"teacher_span_words must be >= 0 (0: the policy's own bound), got {self.span_words}")
         if self.backend == "http" and not self.url:
-            raise ValueError("teacher_backend=http needs teacher_url (e.g. http://127.0.0.1:8000/v1)")
+            raise ValueError(f"teacher_backend=http needs teacher_url (e.g. {DEFAULT_BASE_URL})")
+        if self.concurrency < 1:
+            raise ValueError(f"teacher_concurrency must be >= 1, got {self.concurrency}")
+        if self.judge_max_questions < 0:
+            raise ValueError(f"judge_max_questions must be >= 0 (0: all), got {self.judge_max_questions}")
+        if not math.isfinite(self.judge_epochs) or self.judge_epochs <= 0:
+            raise ValueError(f"judge_epochs must be a number > 0, got {self.judge_epochs}")
+
+    def teacher_config(self, dtype: str, device: str) -> TeacherConfig:
+        """The teacher's own configuration (:class:`~eviback.teacher.TeacherConfig`) for these settings, in the
+        run's dtype and on its device; every default not set here is the teacher's own."""
+        model = {"model": self.model} if self.model else {}
+        return TeacherConfig(
+            policy=self.policy, backend=self.backend,
+            local=LocalBackendConfig(**model, dtype=dtype, device=device),
+            http=HttpBackendConfig(base_url=self.url, **model) if self.url else HttpBackendConfig(),
+            judge=JudgeConfig(concurrency=self.concurrency),
+        )
+
+
+@dataclass(frozen=True)
+class BehaviourCorrection:
+    """Truncated importance sampling for rollouts sampled by another engine than the trainer.
+
+    The rollouts come from the generation engine (vLLM in bf16, or a second HF copy), whose numerics differ
+    from the trainer's forward pass; without a correction TRL takes the trainer's own log-probs as the
+    behaviour policy (ratio 1). With it, each model token's loss is weighted by
+    `min(exp(logp_trainer - logp_engine), cap)` (level `token`, as TRL's vLLM path and verl do), or by the
+    sequence's product (`sequence`). `enabled=False` still measures the difference (logged as
+    `train/engine_logp_diff_*`) but applies no weight. The trainer takes this section as it is."""
+
+    enabled: bool = field(default=True, metadata={"help": "truncated importance sampling against the generation "
+                          "engine's sampled log-probs (behaviour-policy correction); false: measured, not applied"})
+    cap: float = field(default=2.0, metadata={"help": "upper bound of the importance ratio"})
+    level: str = field(default="token", metadata={"help": "importance ratio per token or per sequence"})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        # The messages name the settings as they are set (`is_cap`, `is_level`: SECTION_SETTINGS).
+        if not math.isfinite(self.cap) or self.cap <= 0:
+            raise ValueError(f"is_cap must be a number > 0, got {self.cap}")
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"is_level must be token or sequence, got {self.level!r}")
+
+    @property
+    def mode(self) -> str:
+        """TRL's name of the level (`token_truncate`, `sequence_truncate`)."""
+        return f"{self.level}_truncate"
 
 
 # Settings that live in a section of TrainConfig, by the name they are set with (`--set`, presets, YAML
@@ -107,15 +176,21 @@ SECTION_SETTINGS: dict[str, tuple[str, str]] = {
     "teacher_url": ("teacher", "url"),
     "teacher_concurrency": ("teacher", "concurrency"),
     "allow_leaky_teacher": ("teacher", "allow_leaky"),
+    "accept_weak_judge": ("teacher", "accept_weak_judge"),
     "teacher_stage_a": ("teacher", "stage_a"),
     "judge_max_questions": ("teacher", "judge_max_questions"),
     "judge_epochs": ("teacher", "judge_epochs"),
+    "judge_architecture": ("teacher", "judge_architecture"),
     "judge_rollouts": ("teacher", "judge_rollouts"),
     "judge_base_model": ("teacher", "judge_base_model"),
     "teacher_stage_b": ("teacher", "stage_b"),
     "teacher_span_words": ("teacher", "span_words"),
+    "is_correction": ("correction", "enabled"),
+    "is_cap": ("correction", "cap"),
+    "is_level": ("correction", "level"),
 }
-SECTIONS: dict[str, type] = {"rollout": RolloutConfig, "backoff": BackoffConfig, "teacher": TeacherSettings}
+SECTIONS: dict[str, type] = {"rollout": RolloutConfig, "backoff": BackoffConfig, "teacher": TeacherSettings,
+                             "correction": BehaviourCorrection}
 
 
 def context_tokens(max_turns: int, max_turn_tokens: int, max_observation_tokens: int) -> int:
@@ -135,7 +210,7 @@ class TrainConfig:
     them back by name (what config.yaml holds)."""
 
     # ---- model and data
-    model: str = field(default="smollm2-135m", metadata={"help": "policy: a built-in name, a local HF model "
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "policy: a built-in name, a local HF model "
                        "directory, or a cached hub name"})
     warm_start: bool = field(default=True, metadata={"help": "fine-tune the model on protocol trajectories first "
                              "(`eviback sft`, cached); SmolLM2 never searches without it"})
@@ -145,6 +220,9 @@ class TrainConfig:
                                    "suite's training files)"})
     retriever: str | None = field(default=None, metadata={"help": "index directory or /retrieve URL (default: "
                                   "BM25 over the suite's corpus)"})
+    retrieval_deadline_s: float = field(default=300.0, metadata={"help": "with a /retrieve URL: seconds a search "
+                                        "keeps retrying a service that does not answer (stopped, restarting, "
+                                        "loading its index) before the run stops and says how to --resume it"})
     # ---- rollouts
     backend: str = field(default="vllm", metadata={"help": "generation engine: vllm or hf"})
     questions_per_step: int = field(default=4, metadata={"help": "questions per optimisation step"})
@@ -156,13 +234,11 @@ class TrainConfig:
     # ---- optimisation (TRL GRPOTrainer)
     learning_rate: float = field(default=1e-6, metadata={"help": "Search-R1: 1e-6"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (on the fp32 gradients); 0: off"})
-    is_correction: bool = field(default=True, metadata={"help": "truncated importance sampling against the "
-                                "generation engine's sampled log-probs (behaviour-policy correction)"})
-    is_cap: float = field(default=2.0, metadata={"help": "upper bound of the importance ratio"})
-    is_level: str = field(default="token", metadata={"help": "importance ratio per token or per sequence"})
+    correction: BehaviourCorrection = field(default_factory=BehaviourCorrection)
     beta: float = field(default=0.001, metadata={"help": "KL coefficient (k3 estimator); Search-R1: 0.001"})
     loss_type: str = field(default="dapo", metadata={"help": "TRL's loss aggregation (not the baseline mode): "
-                           "dapo = token mean over the batch (Search-R1/verl's token-mean), grpo, bnpo, dr_grpo"})
+                           "dapo = token mean over the batch (Search-R1/verl's token-mean); also " + ", ".join(
+                               LOSS_TYPES[1:])})
     max_steps: int = field(default=20, metadata={"help": "optimisation steps"})
     save_steps: int = field(default=5, metadata={"help": "checkpoint every N steps and at the last (resume points); "
                             "0: no checkpoint at all (a run that cannot be resumed; the final policy is still "
@@ -207,9 +283,21 @@ class TrainConfig:
         rollout = self.rollout
         if rollout.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {rollout.group_size}")
-        for name in ("questions_per_step", "max_steps"):
+        for name in ("questions_per_step", "max_steps", "save_total_limit", "warm_start_examples", "eval_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seed", "build_seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be a number > 0, got {self.learning_rate}")
+        if not math.isfinite(self.max_grad_norm) or self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be a number >= 0 (0: no clipping), got {self.max_grad_norm}")
+        if not math.isfinite(self.beta) or self.beta < 0:
+            raise ValueError(f"beta must be a number >= 0 (0: no KL term, no reference model), got {self.beta}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)} (TRL's loss aggregations), got "
+                             f"{self.loss_type!r}")
         if self.save_steps < 0:
             raise ValueError(f"save_steps must be >= 1 (or 0: no checkpoints), got {self.save_steps}")
         expected = context_tokens(rollout.max_turns, rollout.max_turn_tokens, rollout.max_observation_tokens)
@@ -217,17 +305,16 @@ class TrainConfig:
             raise ValueError(f"the rollout section of a training config bounds the context by its settings "
                              f"({expected} tokens) and records log-probabilities; got max_context_tokens="
                              f"{rollout.max_context_tokens}, logprobs={rollout.logprobs}")
-        if self.is_level not in ("token", "sequence"):
-            raise ValueError(f"is_level must be token or sequence, got {self.is_level!r}")
-        if self.is_cap <= 0:
-            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
         if self.keep_rollout_steps < 0:
             raise ValueError(f"keep_rollout_steps must be >= 0, got {self.keep_rollout_steps}")
+        if self.retrieval_deadline_s <= 0:
+            raise ValueError(f"retrieval_deadline_s must be > 0 (seconds a search waits for the retrieval service; "
+                             f"Search-R1's wiki-18 index loads in minutes), got {self.retrieval_deadline_s}")
         rollouts = self.questions_per_step * rollout.group_size
         if self.micro_batch_rows < 0 or (self.micro_batch_rows and rollouts % self.micro_batch_rows):
             raise ValueError(f"micro_batch_rows={self.micro_batch_rows} must divide questions_per_step x group_size "
                              f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
-        dtypes.check(self.dtype, allowed=("bfloat16", "float32"))
+        dtypes.check(self.dtype, allowed=dtypes.TRAINING_DTYPES)
         devices.check_device(self.device)
 
     @classmethod
@@ -250,7 +337,7 @@ class TrainConfig:
         rollout["max_context_tokens"] = context_tokens(rollout["max_turns"], rollout["max_turn_tokens"],
                                                        rollout["max_observation_tokens"])
         return cls(**own, rollout=RolloutConfig(**rollout), backoff=BackoffConfig(**parts["backoff"]),
-                   teacher=TeacherSettings(**parts["teacher"]))
+                   teacher=TeacherSettings(**parts["teacher"]), correction=BehaviourCorrection(**parts["correction"]))
 
     def with_settings(self, **settings: Any) -> TrainConfig:
         """This config with some settings changed (by name, as :meth:`from_settings` takes them)."""

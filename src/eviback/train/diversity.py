@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eviback.metrics import normalize_answer
+from eviback.teacher.labels import trajectory_label
 from eviback.teacher.workflow import evidence_as_seen
 from eviback.types import Group, Status, Verdict
 
@@ -50,8 +51,6 @@ def group_diversity(
     if len(rewards) != len(group.trajectories):
         raise ValueError(f"{len(rewards)} rewards for a group of {len(group.trajectories)} rollouts")
     if labels is None:
-        from eviback.teacher.labels import trajectory_label
-
         labels = [trajectory_label(t) for t in group.trajectories]
 
     queries = {frozenset(normalize_answer(q) for q in t.queries) for t in group.trajectories}

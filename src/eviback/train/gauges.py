@@ -17,6 +17,7 @@ Two runs' step times compare only where both show little of the last two.
 from __future__ import annotations
 
 import resource
+import sys
 from dataclasses import dataclass
 
 import psutil
@@ -95,8 +96,6 @@ def gpu_gauges(*, reset: bool = True) -> dict[str, float]:
     """This process's GPU memory on its current CUDA device, in GB: the peak allocated since the last reset
     (`gpu/peak_gb`: what a step needs) and what the allocator holds now (`gpu/reserved_gb`); the peak is
     reset for the next step when `reset`. Empty where no CUDA device is in use."""
-    import sys
-
     torch = sys.modules.get("torch")  # never the reason torch is imported
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {}

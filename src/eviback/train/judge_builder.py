@@ -26,18 +26,30 @@ and scored against the evidence label: the gate (I vs not-I) balanced accuracy, 
 kappa are written to `judge.json`. The held-out questions' rollouts are where a judge is used: the gate
 figure on them is the one that says whether Stage A gates.
 
-**Training** fine-tunes all-MiniLM-L6-v2 with a 3-way head on `device` (auto: the local GPU when there is
-one, :mod:`eviback.device`); matmuls in bf16 autocast where that device computes bf16 natively
-(:mod:`eviback.dtype`), fp32 otherwise. A build with the same inputs reuses the cached directory
+**Training**, on `device` (auto: the local GPU when there is one, :mod:`eviback.device`), in bf16 where that
+device computes bf16 natively (:mod:`eviback.dtype`), fp32 otherwise: a **bi-encoder** (the default) embeds
+every distinct question and passage once with all-MiniLM-L6-v2 as it ships and fits a 3-way logistic head on
+their features (:func:`train_bi_encoder`: about a minute for 200 questions on 2 CPU cores); a
+**cross-encoder** fine-tunes all-MiniLM-L6-v2 with a 3-way head on the (question, passage) pairs
+(:func:`train_cross_encoder`: hundreds of steps before it leaves chance; docs/teacher.md has the
+measurements). A build with the same inputs reuses the cached directory
 (`$EVIBACK_CACHE/judges/evidence-judge-<key>`), wherever either was computed: the device is not in the key.
+
+**The build checks the judge** (:func:`~eviback.teacher.evidence_judge.competence`): a held-out gate below the
+floor is reported WEAK and recorded in `judge.json`; :func:`check_stage_a` is how training refuses it.
+
+torch, transformers and the bundled encoder's package are imported where the judge trains: a build that
+finds its judge cached, and the commands that only configure one, never load them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -46,38 +58,73 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eviback import device as devices
+from eviback import dtype as dtypes
+from eviback.cache import cache_dir, file_lock
+from eviback.data import check_no_eval_overlap, load_suite, read_training_questions
+from eviback.log_format import quiet
+from eviback.policy import DEFAULT_MODEL, load_tokenizer, set_threads
+from eviback.protocol import render_observation
+from eviback.queries import retry_query, search_query
+from eviback.retrieval import open_retriever
+from eviback.retrieval.base import Retriever
+from eviback.settings import check_fields
+from eviback.teacher.config import register_judge_beside
 from eviback.teacher.evidence_judge import (
+    ARCH_BI,
+    ARCH_CROSS,
+    HEAD_FILE,
     JUDGE_FILE,
     JUDGE_FORMAT,
     LABELS,
     POLICY_FILE,
+    QUESTION_LENGTH,
     UNIT_EVIDENCE,
     UNIT_PASSAGE,
+    Competence,
     EvidenceJudge,
     EvidenceJudgeClient,
+    competence,
+    embed_texts,
     encode_pairs,
+    find_judge,
     judge_policy,
     model_sha256,
+    pair_features,
     register,
     split_passages,
+    stage_a_judge,
 )
+from eviback.teacher.judge import read_trajectories
 from eviback.teacher.labels import agreement, evidence_label, is_multi_hop, passage_label
 from eviback.teacher.policy import freeze_policy, load_policy
-from eviback.teacher.workflow import SeenEvidence, evidence_as_seen, render_seen
+from eviback.teacher.workflow import SeenEvidence, answer_in_evidence, evidence_as_seen, render_seen
+from eviback.train.warmstart_data import cap_observation
 from eviback.types import Action, ActionKind, Passage, Question, Status, StopReason, Trajectory, Turn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = 3  # bumped when the examples or the training change, so cached judges are rebuilt
+# bumped when the examples or the training change, so cached judges are rebuilt; 4 added the bi-encoder, and a
+# cross-encoder's examples and training are builder 3's: its cache key still says 3 (see build_key)
+BUILDER_VERSION = 4
+CROSS_ENCODER_BUILDER = 3
 # beside policy.json (Stage B the teacher's LLM): the policy a local teacher trains with (Stage B extractive)
 EXTRACTIVE_POLICY_FILE = "policy-extractive.json"
 
 
 def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
+
+
+def _option(name: str) -> str:
+    """The `eviback build-judge` option of a field (judge_max_questions in a training run's settings)."""
+    option = "--" + name.replace("_", "-")
+    return f"{option}; judge_max_questions in a training run" if name == "max_questions" else option
 
 
 @dataclass(frozen=True)
@@ -93,11 +140,15 @@ class EvidenceJudgeConfig:
     unit: str = _help("what the judge reads: 'passage' (each passage alone, aggregated: the evidence is I when "
                       "no passage is relevant) or 'evidence' (the whole evidence text, cut at max_length)",
                       default=UNIT_PASSAGE)
+    architecture: str = _help("'bi-encoder' (the encoder as shipped embeds the question and each passage apart; a "
+                              "3-way logistic head on their features is trained: no fine-tuning, so epochs, "
+                              "batch_size and learning_rate do not apply) or 'cross-encoder' (the encoder "
+                              "fine-tuned on (question, text) pairs read together)", default=ARCH_BI)
     max_questions: int = _help("training questions used (0: all)", default=0)
     topk: int = _help("passages per search, as the rollout engine retrieves", default=3)
     max_obs_tokens: int = _help("an observation is cut to this many actor tokens, as in the rollouts", default=300)
     actor_model: str = _help("the actor whose tokenizer cuts observations, as in its rollouts: a model name or "
-                             "directory (default: the bundled SmolLM2)", default="smollm2-135m")
+                             "directory (default: the bundled SmolLM2)", default=DEFAULT_MODEL)
     passages_per_question: int = _help("retrieved passages of a question also used alone as evidence (each its "
                                        "own example: what one passage does and does not state)", default=4)
     balance_ratio: float = _help("within single-hop and within multi-hop questions, each label is capped at the "
@@ -106,12 +157,13 @@ class EvidenceJudgeConfig:
                                  default=0.15)
     threshold: float = _help("a passage judge calls the evidence I when no passage's P(relevant) reaches this",
                              default=0.5)
-    base_model: str = _help("the encoder to fine-tune (default: the bundled all-MiniLM-L6-v2)", default="")
+    base_model: str = _help("the encoder (default: the bundled all-MiniLM-L6-v2)", default="")
     max_length: int = _help("wordpiece tokens of (question, text) the judge reads (0: 256 for a passage judge, "
                             "320 for an evidence judge)", default=0)
-    epochs: float = _help("passes over the examples", default=3.0)
-    batch_size: int = _help("examples per optimiser step", default=32)
-    learning_rate: float = _help("AdamW learning rate (linear decay after a 10% warm-up)", default=1e-4)
+    epochs: float = _help("a cross-encoder's passes over the examples", default=3.0)
+    batch_size: int = _help("a cross-encoder's examples per optimiser step", default=32)
+    learning_rate: float = _help("a cross-encoder's AdamW learning rate (linear decay after a 10% warm-up)",
+                                 default=1e-4)
     dtype: str = _help("training matmuls: auto (bf16 autocast where bf16 is native), bfloat16 or float32",
                        default="auto")
     device: str = _help(devices.HELP + "; the judge trains and is scored on its held-out questions there (not in "
@@ -122,22 +174,37 @@ class EvidenceJudgeConfig:
     force: bool = _help("rebuild even when a judge with the same inputs is cached", default=False)
 
     def __post_init__(self) -> None:
+        # The messages name each field with its `eviback build-judge` option; a training run sets max_questions,
+        # epochs and base_model as judge_max_questions, judge_epochs and judge_base_model.
+        check_fields(self)  # types first: the checks below compare numbers
         if self.unit not in (UNIT_PASSAGE, UNIT_EVIDENCE):
-            raise ValueError(f"unit={self.unit!r}: must be '{UNIT_PASSAGE}' or '{UNIT_EVIDENCE}'")
-        if self.topk < 1 or self.max_obs_tokens < 16 or (self.max_length and self.max_length < 32):
-            raise ValueError("topk must be >= 1, max_obs_tokens >= 16 and max_length >= 32 (or 0)")
+            raise ValueError(f"unit={self.unit!r} (--unit): must be '{UNIT_PASSAGE}' or '{UNIT_EVIDENCE}'")
+        if self.architecture not in (ARCH_BI, ARCH_CROSS):
+            raise ValueError(f"architecture={self.architecture!r} (--architecture): must be '{ARCH_BI}' or "
+                             f"'{ARCH_CROSS}'")
+        if self.architecture == ARCH_BI and self.unit != UNIT_PASSAGE:
+            raise ValueError(f"a {ARCH_BI} judge reads passages: unit={self.unit!r} needs --architecture {ARCH_CROSS}")
+        for name, low in (("max_questions", 0), ("passages_per_question", 0), ("topk", 1), ("max_obs_tokens", 16),
+                          ("batch_size", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} ({_option(name)}) must be >= {low}")
+        if self.max_length and self.max_length < 32:
+            raise ValueError(f"max_length={self.max_length} (--max-length) must be >= 32, or 0 for the unit's default")
         if not 0 <= self.heldout_share < 1:
-            raise ValueError(f"heldout_share={self.heldout_share} must be in [0, 1)")
-        from eviback.dtype import check
-
-        check(self.dtype, what="dtype")
+            raise ValueError(f"heldout_share={self.heldout_share} (--heldout-share) must be in [0, 1)")
+        dtypes.check(self.dtype, allowed=dtypes.TRAINING_DTYPES)
         devices.check_device(self.device)
         if not 0 < self.threshold < 1:
-            raise ValueError(f"threshold={self.threshold} must be in (0, 1)")
-        if self.balance_ratio < 1:
-            raise ValueError(f"balance_ratio={self.balance_ratio} must be >= 1 (1 = exactly balanced)")
-        if self.epochs <= 0 or self.batch_size < 1:
-            raise ValueError("epochs must be > 0 and batch_size >= 1")
+            raise ValueError(f"threshold={self.threshold} (--threshold) must be in (0, 1)")
+        if not 1 <= self.balance_ratio < math.inf:
+            raise ValueError(f"balance_ratio={self.balance_ratio} (--balance-ratio) must be >= 1 (1 = exactly "
+                             "balanced)")
+        if not 0 < self.epochs < math.inf:
+            raise ValueError(f"epochs={self.epochs} (--epochs; judge_epochs in a training run) must be > 0")
+        if not 0 <= self.learning_rate < math.inf:
+            raise ValueError(f"learning_rate={self.learning_rate} (--learning-rate) must be a number >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} (--threads) must be >= 1, or None for torch's default")
 
     @property
     def length(self) -> int:
@@ -162,12 +229,9 @@ class JudgeExample:
 # Examples
 
 
-def seen_trajectory(question: Question, passages: Sequence[Passage], tokenizer, max_obs_tokens: int) -> Trajectory:  # noqa: ANN001
+def seen_trajectory(question: Question, passages: Sequence[Passage], tokenizer: PreTrainedTokenizerBase,
+                    max_obs_tokens: int) -> Trajectory:
     """A one-search rollout whose observation is `passages` rendered and cut as the rollout engine does."""
-    from eviback.protocol import render_observation
-    from eviback.queries import search_query
-    from eviback.train.warmstart_data import cap_observation
-
     observation = cap_observation(render_observation(passages), tokenizer, max_obs_tokens)
     query = search_query(question)
     turn = Turn(f"<search> {query} </search>", Action(ActionKind.SEARCH, query), tuple(passages), observation, True)
@@ -196,13 +260,10 @@ def passage_examples(question: Question, seen: Sequence[SeenEvidence], source: s
     return out
 
 
-def question_searches(question: Question, search: Callable[[str], list[Passage]], tokenizer,  # noqa: ANN001
-                      max_obs_tokens: int, topk: int = 3, single_passages: int = 0
+def question_searches(question: Question, search: Callable[[str], list[Passage]],
+                      tokenizer: PreTrainedTokenizerBase, max_obs_tokens: int, topk: int = 3, single_passages: int = 0
                       ) -> list[tuple[str, tuple[SeenEvidence, ...]]]:
     """(source, evidence as seen) of one training question's real searches (see the module doc)."""
-    from eviback.queries import retry_query, search_query
-    from eviback.teacher.workflow import answer_in_evidence
-
     def seen(passages: Sequence[Passage]) -> tuple[SeenEvidence, ...]:
         return evidence_as_seen(seen_trajectory(question, passages, tokenizer, max_obs_tokens))
 
@@ -278,15 +339,10 @@ def _label_counts(examples: Sequence[JudgeExample]) -> dict[str, Any]:
 
 
 def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] = log.info,
-                   retriever=None) -> tuple[list[JudgeExample], list[JudgeExample], dict[str, Any]]:  # noqa: ANN001
+                   retriever: Retriever | None = None) -> tuple[list[JudgeExample], list[JudgeExample], dict[str, Any]]:
     """(training examples, held-out examples, counts): from the suite's training questions only. Training
     examples are in the judge's unit, balanced; held-out examples are whole evidence texts (search-built and
     rollouts), as Stage A is asked about them."""
-    from eviback.data import check_no_eval_overlap, load_suite, read_training_questions
-    from eviback.policy import load_tokenizer
-    from eviback.retrieval import open_retriever
-    from eviback.teacher.judge import read_trajectories
-
     suite = load_suite(config.data)
     questions: list[Question] = read_training_questions(suite, config.train_files)
     if config.max_questions:
@@ -305,7 +361,10 @@ def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] 
         example = evidence_example(question, seen, source)
         return [example] if example else []
 
-    tokenizer = load_tokenizer(config.actor_model)  # the actor's tokenizer: observations are cut in its tokens
+    # The actor's tokenizer: observations are cut in its tokens. A bundled model's tokenizer is the same in every
+    # dtype it is converted to; float32 is the conversion the warm start makes anyway (train/sft.py), so a run
+    # that builds its judge converts the bundled model once, not also to bf16 for a tokenizer (30 s on 2 cores).
+    tokenizer = load_tokenizer(config.actor_model, "float32")
     own = retriever is None
     retriever = retriever if retriever is not None else open_retriever(None, suite)
     train: list[JudgeExample] = []
@@ -368,13 +427,86 @@ def base_model_dir(name: str = "") -> str:
 
 def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig, out: Path,
                      progress: Callable[[str], None] = log.info) -> dict[str, Any]:
-    """Fine-tune the base encoder with a 3-way head on `train`; save model and tokenizer to `out`."""
-    import contextlib
+    """Train the judge of `config.architecture` on `train`; save model, tokenizer (and head) to `out`."""
+    if config.architecture == ARCH_BI:
+        return train_bi_encoder(train, config, out, progress)
+    return train_cross_encoder(train, config, out, progress)
 
+
+def class_weights(train: Sequence[JudgeExample]) -> list[float]:
+    """The loss weight of each label (LABELS order): inverse frequency, so the labels weigh alike (the balance
+    within each kind of question leaves A rarer overall); 0 for a label with no example."""
+    counts = Counter(e.label for e in train)
+    return [len(train) / (len(counts) * counts[s]) if counts[s] else 0.0 for s in LABELS]
+
+
+def train_bi_encoder(train: Sequence[JudgeExample], config: EvidenceJudgeConfig, out: Path,
+                     progress: Callable[[str], None] = log.info) -> dict[str, Any]:
+    """A bi-encoder judge: the base encoder embeds every distinct question and passage once (as the judge will
+    at inference: the same dtype on the same device), and a 3-way logistic head on their features
+    (:func:`~eviback.teacher.evidence_judge.pair_features`) is fitted by full-batch L-BFGS: labels weighted by
+    inverse frequency, an L2 penalty of 1/(2n) |W|^2 (a logistic regression with C = 1). Deterministic for
+    given examples. The encoder is saved unchanged beside the head."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModel, AutoTokenizer
+
+    set_threads(config.threads)
+    torch.manual_seed(config.seed)
+    placement = devices.place(config.device, config.dtype)
+    base = base_model_dir(config.base_model)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModel.from_pretrained(base, dtype=placement.torch_dtype).to(placement.torch_device).eval()
+    devices.record("evidence judge (training)", model, placement)
+    start = time.perf_counter()
+    questions = list(dict.fromkeys(e.question for e in train))
+    texts = list(dict.fromkeys(e.evidence for e in train))
+    with torch.inference_mode():
+        q_vectors = embed_texts(model, tokenizer, questions, QUESTION_LENGTH)
+        t_vectors = embed_texts(model, tokenizer, texts, config.length)
+    progress(f"embedded {len(questions)} questions and {len(texts)} passages ({time.perf_counter() - start:.0f}s)")
+    q_at = {q: i for i, q in enumerate(questions)}
+    t_at = {t: i for i, t in enumerate(texts)}
+    features = pair_features(q_vectors[[q_at[e.question] for e in train]],
+                             t_vectors[[t_at[e.evidence] for e in train]]).float().cpu()
+    index = {s: i for i, s in enumerate(LABELS)}
+    labels = torch.tensor([index[e.label] for e in train])
+    weights = torch.tensor(class_weights(train))
+    weight = torch.zeros(len(LABELS), features.shape[1], requires_grad=True)
+    bias = torch.zeros(len(LABELS), requires_grad=True)
+    penalty = 1.0 / (2 * len(train))
+    optimizer = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=500, tolerance_grad=1e-6,
+                                  line_search_fn="strong_wolfe")
+
+    def data_loss() -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(features @ weight.T + bias, labels, weight=weights)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = data_loss() + penalty * weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    first = float(data_loss().detach())
+    optimizer.step(closure)
+    last = float(data_loss().detach())
+    iterations = int(optimizer.state[optimizer._params[0]].get("n_iter", 0))
+    progress(f"training: the head, {iterations} L-BFGS iterations, loss {first:.3f} -> {last:.3f} "
+             f"({time.perf_counter() - start:.0f}s)")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    save_file({"weight": weight.detach().contiguous(), "bias": bias.detach().contiguous()}, str(out / HEAD_FILE))
+    return {"architecture": ARCH_BI, "steps": iterations, "seconds": round(time.perf_counter() - start, 1),
+            "first_loss": first, "last_loss": last, "base_model": base, "dtype": placement.dtype,
+            "device": placement.device}
+
+
+def train_cross_encoder(train: Sequence[JudgeExample], config: EvidenceJudgeConfig, out: Path,
+                        progress: Callable[[str], None] = log.info) -> dict[str, Any]:
+    """Fine-tune the base encoder with a 3-way head on `train`; save model and tokenizer to `out`."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from eviback.policy import set_threads
 
     set_threads(config.threads)
     torch.manual_seed(config.seed)
@@ -382,9 +514,10 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     compute, device = placement.dtype, placement.torch_device
     base = base_model_dir(config.base_model)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        base, num_labels=len(LABELS), id2label={i: s.value for i, s in enumerate(LABELS)},
-        label2id={s.value: i for i, s in enumerate(LABELS)})
+    with quiet("new-classifier-head"):  # transformers reports the new head MISSING: it is what this trains
+        model = AutoModelForSequenceClassification.from_pretrained(
+            base, num_labels=len(LABELS), id2label={i: s.value for i, s in enumerate(LABELS)},
+            label2id={s.value: i for i, s in enumerate(LABELS)})
     model.to(device)  # fp32 weights wherever it trains: see the autocast below
     devices.record("evidence judge (training)", model, placement)
     model.train()
@@ -397,10 +530,7 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / max(1, total - warmup))))
     rng = random.Random(config.seed)
-    # Labels weighted by inverse frequency: the balance within each kind of question leaves A rarer overall.
-    counts = Counter(e.label for e in train)
-    weights = torch.tensor([len(train) / (len(counts) * counts[s]) if counts[s] else 0.0 for s in LABELS],
-                           device=device)
+    weights = torch.tensor(class_weights(train), device=device)
     lengths = [len(tokenizer(e.question, e.evidence, truncation="only_second", max_length=config.length)
                    ["input_ids"]) for e in train]
     # fp32 weights and optimiser; the matmuls in bf16 where the device computes bf16 natively (a GPU with bf16;
@@ -436,7 +566,8 @@ def train_classifier(train: Sequence[JudgeExample], config: EvidenceJudgeConfig,
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    return {"steps": total, "seconds": round(time.perf_counter() - start, 1), "first_loss": losses[0],
+    return {"architecture": ARCH_CROSS, "steps": total, "seconds": round(time.perf_counter() - start, 1),
+            "first_loss": losses[0],
             "last_loss": sum(losses[-20:]) / len(losses[-20:]), "base_model": base, "dtype": compute,
             "device": placement.device}
 
@@ -461,30 +592,34 @@ def build_key(config: EvidenceJudgeConfig, examples: Sequence[JudgeExample]) -> 
     is found again on a CPU and the other way round, so its dtype is named as the setting resolves on the CPU
     (as it was before the judge could train elsewhere: judges already cached keep their keys), and the dtype
     it actually computed in is in its judge.json (`train.dtype`, `train.device`)."""
-    from eviback import dtype as dtypes
-
     base = base_model_dir(config.base_model)
     # the base model by content when it is a directory: the same weights installed elsewhere (another
     # checkout's environment) give the same key, so the cached judge is reused
     base_id = model_sha256(Path(base)) if Path(base).is_dir() else base
-    material = json.dumps({
-        "builder": BUILDER_VERSION, "base_model": base_id, "unit": config.unit,
-        # by value, not by how a caller typed it: `epochs: 2` from a YAML file and 2.0 from the command line
-        # are the same build (the int once gave another key, and a 45-minute rebuild of the same judge)
-        "train": {"max_length": int(config.length), "epochs": float(config.epochs),
-                  "batch_size": int(config.batch_size), "learning_rate": float(config.learning_rate),
-                  "seed": int(config.seed), "dtype": dtypes.resolve(config.dtype, "cpu")},
-        "threshold": float(config.threshold),
-        "examples": hashlib.sha256("\n".join(json.dumps([e.question, e.evidence, e.label.value])
-                                             for e in examples).encode()).hexdigest(),
-    }, sort_keys=True)
-    return hashlib.sha256(material.encode()).hexdigest()[:20]
+    examples_hash = hashlib.sha256("\n".join(json.dumps([e.question, e.evidence, e.label.value])
+                                             for e in examples).encode()).hexdigest()
+    if config.architecture == ARCH_BI:
+        # what a bi-encoder depends on: no epochs, batch size or learning rate (it trains no encoder)
+        material = {"builder": BUILDER_VERSION, "architecture": ARCH_BI, "base_model": base_id, "unit": config.unit,
+                    "train": {"max_length": int(config.length), "question_length": QUESTION_LENGTH,
+                              "dtype": dtypes.resolve(config.dtype, "cpu")},
+                    "threshold": float(config.threshold), "examples": examples_hash}
+    else:
+        # a cross-encoder's material is builder 3's, unchanged: judges cached before builder 4 keep their keys
+        material = {
+            "builder": CROSS_ENCODER_BUILDER, "base_model": base_id, "unit": config.unit,
+            # by value, not by how a caller typed it: `epochs: 2` from a YAML file and 2.0 from the command line
+            # are the same build (the int once gave another key, and a 45-minute rebuild of the same judge)
+            "train": {"max_length": int(config.length), "epochs": float(config.epochs),
+                      "batch_size": int(config.batch_size), "learning_rate": float(config.learning_rate),
+                      "seed": int(config.seed), "dtype": dtypes.resolve(config.dtype, "cpu")},
+            "threshold": float(config.threshold), "examples": examples_hash}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable[[str], None] = log.info,
-                retriever=None) -> EvidenceJudge:  # noqa: ANN001
+                retriever: Retriever | None = None) -> EvidenceJudge:
     """Build (or reuse the cached) evidence judge for `config`; see the module doc."""
-    from eviback.cache import cache_dir, file_lock
 
     config = config or EvidenceJudgeConfig()
     start = time.perf_counter()
@@ -508,7 +643,8 @@ def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable
         stats = train_classifier(train, config, tmp, progress)
         # the client reads the unit, length and threshold from judge.json: write it before judging the held-out
         doc = {"format": JUDGE_FORMAT, "key": key, "builder_version": BUILDER_VERSION, "unit": config.unit,
-               "labels": [s.value for s in LABELS], "max_length": config.length, "threshold": config.threshold,
+               "architecture": config.architecture, "labels": [s.value for s in LABELS], "max_length": config.length,
+               "question_length": QUESTION_LENGTH, "threshold": config.threshold,
                "config": dataclasses.asdict(config), "counts": counts, "train": stats}
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
         sha = model_sha256(tmp)
@@ -516,6 +652,13 @@ def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable
         progress("held-out training questions: " + summary_line(figures))
         doc.update(sha256=sha, heldout=figures, build_seconds=round(time.perf_counter() - start, 1))
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        check = competence(tmp)  # what the held-out figures say: recorded, and said now if the judge is weak
+        doc["competence"] = check.to_dict()
+        (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        if check.weak:
+            progress(f"evidence judge {key} is WEAK: {check.figures()}; below the floor {check.floor}, so "
+                     f"`eviback train` refuses it as Stage A (build a larger one: more questions, epochs or "
+                     f"the actor's rollouts)")
         freeze_policy(judge_policy(sha), tmp / POLICY_FILE, {"evidence_judge": sha, "judge_key": key})
         freeze_policy(judge_policy(sha, base=load_policy("two-stage-extractive")), tmp / EXTRACTIVE_POLICY_FILE,
                       {"evidence_judge": sha, "judge_key": key})
@@ -560,3 +703,53 @@ def summary_line(figures: dict[str, Any]) -> str:
             parts.append(f"{name} (n {f['n']}): gate I vs not-I {fmt(f['gate_balanced_accuracy'])}, S vs I "
                          f"{fmt(f['s_vs_i_balanced_accuracy'])}, kappa {fmt(f['kappa'])}")
     return "; ".join(parts) or "none held out"
+
+
+# --------------------------------------------------------------------------------------------------
+# The judge as a training run's Stage A
+
+
+class WeakJudgeError(ValueError):
+    """A training run's Stage A would be a weak evidence judge (:func:`check_stage_a`)."""
+
+
+def check_stage_a(policy: Any, *, accept_weak: bool, ref: str = "") -> Competence | None:  # a TeacherPolicy
+    """The competence of the trained judge that decides `policy`'s status, or None when its Stage A is no
+    trained judge. A weak judge (:func:`eviback.teacher.evidence_judge.competence`) raises
+    :class:`WeakJudgeError`, one paragraph naming its figures and the fix, unless `accept_weak` (then it is
+    logged as a warning). `ref`: the policy as the run names it (a policy file beside its judge makes that
+    judge findable)."""
+    sha = stage_a_judge(policy)
+    if sha is None:
+        return None
+    if ref:
+        register_judge_beside(ref)
+    check = competence(find_judge(sha))
+    if not check.weak:
+        log.info("teacher: the evidence judge %s as Stage A: %s", check.judge, check.figures())
+        return check
+    what = (f"the evidence judge {check.judge} (sha256 {check.sha256[:12]}) that would decide Stage A is weak: "
+            f"{check.figures()}; the floor is {check.floor} (0.5 is chance)")
+    if accept_weak:
+        log.warning("%s. Training with it anyway, as accept_weak_judge=true asks (teacher.json records it)", what)
+        return check
+    raise WeakJudgeError(
+        f"{what}. As Stage A it would open and close the gate about at chance, so the teacher's rewards for "
+        f"all-zero groups would carry no evidence signal. Build a stronger judge: the bi-encoder "
+        f"(judge_architecture=bi-encoder, the default), more training questions (judge_max_questions=0 takes "
+        f"all), for a cross-encoder more epochs (judge_epochs=3 is the default), the actor's rollouts on "
+        f"training questions (judge_rollouts); `eviback build-judge` prints these figures; or keep the prompted "
+        f"Stage A (teacher_stage_a=prompted). To train with this judge anyway, set accept_weak_judge=true "
+        f"(teacher.json then records it)")
+
+
+def stage_a_record(policy: Any) -> dict[str, Any] | None:  # a TeacherPolicy
+    """The trained judge that decides `policy`'s status, for a run's teacher.json: its name, hash, directory
+    and held-out figures, and whether it is weak (a run trains with a weak judge only when it accepted one);
+    None when Stage A is no trained judge."""
+    sha = stage_a_judge(policy)
+    if sha is None:
+        return None
+    directory = find_judge(sha)
+    check = competence(directory)
+    return {**check.to_dict(), "path": str(directory), "weak_accepted": check.weak}

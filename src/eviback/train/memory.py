@@ -9,6 +9,12 @@ evaluation of many questions) are scheduled in waves by the engine instead of fa
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
+import os
+from pathlib import Path
+
 from eviback.generation.base import kv_bytes_per_token
 
 GIB = 1024 ** 3
@@ -28,9 +34,6 @@ def kv_cache_gib(sequences: int, max_context: int, bytes_per_token: int, *, head
 
 def model_kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int | None:
     """`kv_bytes_per_token` from a Hugging Face checkpoint's config.json; None when it cannot be read."""
-    import json
-    from pathlib import Path
-
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
@@ -49,8 +52,6 @@ def rollout_kv_cache_gib(sequences: int, max_context: int, model_dir: str, dtype
     """The KV cache for a run's rollout engine (see :func:`kv_cache_gib`) computing in `dtype` (the cache
     holds keys and values in the model's dtype: fp32 takes twice bf16's bytes); None (the engine's own
     default) when `VLLM_CPU_KVCACHE_SPACE` is set by the user or the model's shape cannot be read."""
-    import os
-
     per_token = model_kv_bytes_per_token(model_dir, 4 if dtype == "float32" else 2)
     if "VLLM_CPU_KVCACHE_SPACE" in os.environ or per_token is None:
         return None
@@ -62,9 +63,6 @@ def release_free_heap() -> bool:
 
     Tensors of a training step come and go in many sizes; glibc keeps freed blocks in its arenas, so without
     this a long run's resident memory grows step after step although the live tensors do not."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     if name is None:
         return False

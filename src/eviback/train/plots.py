@@ -3,8 +3,11 @@
     eviback train ... writes them at the end of a run (and they can be redrawn at any time):
     python -m eviback.train.plots RUN_DIR [RUN_DIR ...] --out DIR
 
-One run gives `plots/training_curves.png` and `report.html`; several runs give a comparison figure with
-one line per run (e.g. plain GRPO vs EviBack vs DAPO from the same warm start).
+One run gives `plots/training_curves.png` and `report.html`, which opens with what the run did in a few
+sentences and a small table (:mod:`eviback.train.report_summary`: groups, fallback, the teacher's signal and
+its ceiling, the judge's gate, the held-out change with paired bootstrap intervals); several runs give a
+comparison figure with one line per run (e.g. plain GRPO vs EviBack vs DAPO from the same warm start).
+Tables are laid out to fit a laptop's page: the step means one metric per row, one column per run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eviback.templates import Markup, render
+from eviback.train.report_summary import summarize_run
 from eviback.train.run import read_records
 
 # (panel title, [(metric key, label)])
@@ -59,6 +63,7 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [(t, m) for t, m in PANELS if any(_series(rs, k)[0] for rs in runs.values() for k, _ in m)]
     cols = 2
@@ -77,6 +82,7 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
                 ax.plot(xs, ys, style, color=color, marker="o", markersize=3, label=name)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no "1.2" between steps 1 and 2
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -89,26 +95,36 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
     return path
 
 
-def _final_rows(runs: dict[str, Sequence[dict[str, Any]]], keys: Sequence[str]) -> list[dict[str, Any]]:
-    """Per run: its name, its number of steps and the mean of each key over its steps (None: never logged)."""
+def _mean_rows(runs: dict[str, Sequence[dict[str, Any]]], panels: Sequence[tuple[str, list[tuple[str, str]]]],
+               ) -> list[dict[str, Any]]:
+    """One row per metric (grouped by panel): its label, its key and its mean over each run's steps (None:
+    never logged). Metrics no run logged are left out. A metric per row keeps the table narrow however many
+    metrics there are; runs are the columns."""
     rows = []
-    for name, records in runs.items():
-        means = []
-        for key in keys:
-            _, ys = _series(records, key)
-            means.append(sum(ys) / len(ys) if ys else None)
-        rows.append({"name": name, "steps": len(records), "means": means})
+    for title, metrics in panels:
+        for key, label in metrics:
+            means = []
+            for records in runs.values():
+                _, ys = _series(records, key)
+                means.append(sum(ys) / len(ys) if ys else None)
+            if any(m is not None for m in means):
+                rows.append({"panel": title, "label": label, "key": key, "means": means})
     return rows
 
 
 def write_report(run_dirs: Sequence[Path], out_dir: Path, extra_html: str = "") -> Path:
     """Plots plus an HTML page (images inlined, so the file stands alone; templates/training_report.html.j2).
+    With one run the page opens with its summary (:func:`eviback.train.report_summary.summarize_run`).
     `extra_html` is an HTML fragment appended as is (the caller's markup, e.g. an evaluation table). Returns
     the HTML path."""
     runs = {Path(d).name: read_records(Path(d) / "metrics.jsonl") for d in run_dirs}
     png = plot_runs(runs, out_dir / "plots" / ("training_curves.png" if len(runs) == 1 else "comparison.png"))
-    keys = [k for _, m in PANELS[:4] for k, _ in m]
-    page = render("training_report.html.j2", runs=list(runs), keys=keys, rows=_final_rows(runs, keys),
+    summary = None
+    if len(run_dirs) == 1:
+        found = summarize_run(run_dirs[0])
+        summary = {"sentences": found.sentences(), "table": found.table()}
+    page = render("training_report.html.j2", runs=list(runs), steps=[len(r) for r in runs.values()],
+                  rows=_mean_rows(runs, PANELS[:4]), summary=summary,
                   image=base64.b64encode(png.read_bytes()).decode(), extra_html=Markup(extra_html))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.html"

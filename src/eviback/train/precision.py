@@ -8,6 +8,9 @@ cannot represent a change smaller than ~2e-4, and most updates of lr 1e-4 vanish
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -21,7 +24,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     :meth:`clip_master_grads`), runs AdamW on the masters, and rounds them back into `model`. After
     training, `master` holds the trained weights at full precision."""
 
-    def __init__(self, model: torch.nn.Module, master: torch.nn.Module, **kwargs) -> None:  # noqa: ANN003
+    def __init__(self, model: torch.nn.Module, master: torch.nn.Module, **kwargs: Any) -> None:
         ours = dict(model.named_parameters())
         theirs = dict(master.named_parameters())
         if ours.keys() != theirs.keys():
@@ -82,7 +85,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         return norm
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # torch's signature
         self.accumulate()  # a plain loop that never called accumulate(): take the model's gradients now
         loss = super().step(closure)
         self.sync_to_model()

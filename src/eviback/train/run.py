@@ -40,11 +40,11 @@ from eviback.train.config import TrainConfig
 # Settings that may change between a run and its resumption (they do not change what was already done).
 RESUMABLE_CHANGES = frozenset({"max_steps", "save_steps", "save_total_limit", "eval_benchmarks", "eval_limit",
                                "eval_warm_start", "keep_rollout_steps", "teacher_url", "teacher_concurrency",
-                               "retriever"})
+                               "retriever", "retrieval_deadline_s"})
 
 # Settings added after runs had been made whose default is not what those runs did: the value a run whose
 # config.yaml lacks the key ran with (a resumed run is compared with it, not with today's default).
-EARLIER_BEHAVIOUR = {"teacher_stage_b": "prompted"}
+EARLIER_BEHAVIOUR = {"teacher_stage_b": "prompted", "judge_architecture": "cross-encoder"}
 
 # The run directories this process holds the lock of (resolved path -> the held lock).
 _HELD: dict[str, FileLock] = {}

@@ -24,13 +24,40 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eviback.data import load_suite, read_training_questions
-from eviback.device import Placement, pin_trainer, place, record
-from eviback.generation.base import sleep_backend
+from eviback.device import Placement, off_device, pin_trainer, place, placements, record
+from eviback.evaluate import EvalConfig, EvalSummary, comparison_html, run_eval
+from eviback.generation import BackendConfig, load_backend
+from eviback.generation.base import GenerationBackend, sleep_backend
+from eviback.log_format import configure_logging, quiet
+from eviback.policy import load_tokenizer, resolve_model
+from eviback.retrieval import ClientConfig, open_retriever
+from eviback.retrieval.base import Retriever
+from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.teacher import Teacher, TeacherPolicy, build_teacher, load_policy
+from eviback.teacher.evidence_judge import judge_policy
+from eviback.teacher.extractive import with_max_words
 from eviback.train.config import TrainConfig
+from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge, check_stage_a, stage_a_record
+from eviback.train.memory import rollout_kv_cache_gib
+from eviback.train.plots import write_report
 from eviback.train.run import RunDir
+from eviback.train.sft import WarmStartConfig, model_fingerprint, warm_start
+from eviback.train.step_bar import keep_bar_only
+from eviback.types import Question
+
+# torch, transformers, TRL and accelerate (and the trainer modules built on them: grpo, step_log, masters,
+# precision) take seconds to import: they are imported where a run first needs them, so that `eviback train`
+# checks its settings and refuses a bad one at once.
+if TYPE_CHECKING:
+    import torch
+    from accelerate import PartialState
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from trl import GRPOConfig
+
+    from eviback.train.grpo import EviBackTrainer
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +67,9 @@ class TrainResult:
     final_model: Path
     steps: int
     resumed_from: int | None
-    eval_summary: Any | None  # eviback.evaluate.EvalSummary when held-out benchmarks were evaluated
+    eval_summary: EvalSummary | None  # when held-out benchmarks were evaluated
     report: Path
-    start_summary: Any | None = None  # the starting policy (the warm start) on the same questions
+    start_summary: EvalSummary | None = None  # the starting policy (the warm start) on the same questions
 
 
 class Precision(enum.StrEnum):
@@ -70,7 +97,6 @@ def check_teacher(config: TrainConfig) -> dict[str, Any] | None:
     opts in, and the record says `"oracle": true`."""
     if config.backoff.mode.value != "eviback":
         return None
-    from eviback.teacher import load_policy
 
     policy = load_policy(config.teacher.policy)
     violations = list(policy.boundary_violations())
@@ -93,23 +119,20 @@ def teacher_is_oracle(config: TrainConfig) -> bool:
     """Whether the run's teacher is an oracle (it reads the gold answers to decide the status)."""
     if config.backoff.mode.value != "eviback":
         return False
-    from eviback.teacher import load_policy
 
     return load_policy(config.teacher.policy).is_oracle
 
 
 def initial_policy(config: TrainConfig) -> str:
     """The checkpoint GRPO starts from: the (cached) warm start, or the base model itself."""
-    from eviback.policy import resolve_model
 
     if not config.warm_start:
         return resolve_model(config.model, "float32")
-    from eviback.train.sft import WarmStartConfig
 
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
         max_examples=config.warm_start_examples, topk=config.rollout.topk,
-        max_obs_tokens=config.rollout.max_observation_tokens,
+        max_observation_tokens=config.rollout.max_observation_tokens,
         seed=config.build_seed, dtype=config.dtype, device=config.device,
     )
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
@@ -130,21 +153,20 @@ def initial_policy(config: TrainConfig) -> str:
 def _warm_start_child(settings: dict, level: int, answer: str) -> None:
     """The warm start of `initial_policy`, in its own process (settings: a WarmStartConfig as a dict); the
     trained model's directory is written to the file `answer`."""
-    from eviback.log_format import configure_logging
-    from eviback.train.sft import WarmStartConfig, warm_start
 
     configure_logging(level)
     Path(answer).write_text(str(warm_start(WarmStartConfig(**settings))))
 
 
-def load_policy_for_training(path: str, precision: Precision, resume_from: Path | None):  # noqa: ANN201
+def load_policy_for_training(path: str, precision: Precision,
+                             resume_from: Path | None) -> tuple[PreTrainedModel, PreTrainedModel | None]:
     """(model, master) for `precision`: with masters the model is a bf16 copy trained with fp32 master
     weights (pure bf16 updates lose lr-sized changes); otherwise the fp32 model itself and no master. A
     resumed run restores the masters saved in its checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eviback.train.grpo import MASTER_WEIGHTS
+    from eviback.train.masters import MASTER_WEIGHTS
 
     master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if precision is not Precision.MASTERS:
@@ -162,13 +184,14 @@ def load_policy_for_training(path: str, precision: Precision, resume_from: Path 
     return model, master
 
 
-def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherPolicy
+def teacher_policy(config: TrainConfig) -> TeacherPolicy:
     """The teacher policy a run uses: `config.teacher.policy`, except for a local teacher on the two-stage policy,
     whose Stage B is the extractive rule by default (`teacher_stage_b=extractive`: the two-stage-extractive
     policy, no model) and whose Stage A is the trained evidence judge by default (`teacher_stage_a=judge`:
     built from the run's training questions on first use, then cached). A served (http) teacher keeps the
-    policy as named. `teacher_span_words` > 0 bounds every extractive stage at that many words."""
-    from eviback.teacher import load_policy
+    policy as named. `teacher_span_words` > 0 bounds every extractive stage at that many words. A trained judge
+    as Stage A that its own held-out questions show weak is refused (ValueError naming its figures and the fix)
+    unless `accept_weak_judge` (:func:`eviback.train.judge_builder.check_stage_a`)."""
 
     t = config.teacher
     policy = load_policy(t.policy)
@@ -178,69 +201,29 @@ def teacher_policy(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Te
             log.info("teacher: Stage B is the extractive span of the evidence the actor saw (teacher_stage_b="
                      "prompted keeps the LLM Stage B)")
         if t.stage_a == "judge":
-            from eviback.teacher.evidence_judge import judge_policy
-            from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge
-
             judge = build_judge(EvidenceJudgeConfig(
                 data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
-                epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts), topk=config.rollout.topk,
+                architecture=t.judge_architecture, epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts),
+                topk=config.rollout.topk,
                 max_obs_tokens=config.rollout.max_observation_tokens, seed=config.build_seed,
                 base_model=t.judge_base_model, actor_model=config.model, device=config.device))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
-            warn_if_uninformative(judge.path)
             policy = judge_policy(judge.sha256, base=policy)
     if t.span_words:
-        from eviback.teacher.extractive import with_max_words
-
         policy = with_max_words(policy, t.span_words)
+
+    # a trained judge as Stage A (built here, or named by a policy file) is refused when its own held-out
+    # questions show it weak, unless accept_weak_judge
+    check_stage_a(policy, accept_weak=t.accept_weak_judge, ref=t.policy)
     return policy
 
 
-def warn_if_uninformative(judge_dir: Path, min_kappa: float = 0.1) -> bool:
-    """Warn when a judge's own held-out training questions show it at chance (kappa below `min_kappa`, e.g.
-    one status for everything): its Stage A then passes every rollout on to Stage B and carries no
-    evidence signal. Returns whether it warned."""
-    import json
-
-    from eviback.teacher.evidence_judge import JUDGE_FILE
-
-    record = Path(judge_dir) / JUDGE_FILE
-    if not record.exists():
-        return False
-    heldout = json.loads(record.read_text()).get("heldout") or {}
-    kappa = heldout.get("kappa")
-    if kappa is None or kappa >= min_kappa:
-        return False
-    log.warning("the evidence judge %s is at chance on its held-out training questions (kappa %.2f, n %s): its "
-                "Stage A verdicts carry no evidence signal. Build a larger one (`eviback build-judge`, more "
-                "questions or epochs; judge_max_questions / judge_epochs here)", Path(judge_dir).name, kappa,
-                heldout.get("n"))
-    return True
-
-
-def teacher_config(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.TeacherConfig
-    """The teacher's own configuration, from the run's teacher settings."""
-    from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig
-    from eviback.teacher.local import LocalBackendConfig
-
-    t = config.teacher
-    return TeacherConfig(
-        policy=t.policy,
-        backend=t.backend,
-        local=LocalBackendConfig(model=t.model, dtype=config.dtype, device=config.device),
-        http=HttpBackendConfig(base_url=t.url, model="" if t.model == "smollm2-135m" else t.model)
-        if t.url else HttpBackendConfig(),
-        judge=JudgeConfig(concurrency=t.concurrency),
-    )
-
-
-def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teacher or None
+def open_teacher(config: TrainConfig) -> Teacher | None:
     if config.backoff.mode.value != "eviback":
         return None
-    from eviback.teacher import build_teacher
 
-    return build_teacher(teacher_config(config), policy=teacher_policy(config))
+    return build_teacher(config.teacher.teacher_config(config.dtype, config.device), policy=teacher_policy(config))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,7 +234,7 @@ def open_teacher(config: TrainConfig):  # noqa: ANN201 - an eviback.teacher.Teac
 class RunStart:
     """The run directory, prepared (or resumed), and the processes that train it."""
 
-    state: Any  # accelerate's PartialState: the process group (one process: nothing set up)
+    state: PartialState  # the process group (one process: nothing set up)
     run: RunDir
     resumed_from: int | None  # the checkpoint step resumed from (None: a fresh run)
     checkpoint: Path | None  # the checkpoint directory resumed from
@@ -266,16 +249,16 @@ class RunStart:
 class Training:
     """What a run trains with: its questions, retriever, policy (and fp32 masters), optimiser and engine."""
 
-    questions: list
-    retriever: Any  # an eviback.retrieval.Retriever
+    questions: list[Question]
+    retriever: Retriever
     policy_path: str  # the checkpoint training starts from (the warm start)
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     precision: Precision
-    model: Any  # the trained model (bf16 with masters on CPU)
-    master: Any | None  # the fp32 master weights AdamW updates, or None
-    optimizer: Any
-    backend: Any  # the generation backend: the engine's own copy of the policy
-    engine: Any  # an eviback.rollout.RolloutEngine
+    model: PreTrainedModel  # the trained model (bf16 with masters on CPU)
+    master: PreTrainedModel | None  # the fp32 master weights AdamW updates, or None
+    optimizer: torch.optim.Optimizer
+    backend: GenerationBackend  # the generation backend: the engine's own copy of the policy
+    engine: RolloutEngine
 
 
 def run_training(config: TrainConfig, output: str | Path, *, resume: bool = False) -> TrainResult:
@@ -283,12 +266,13 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     and trains on its own whole groups; the main process alone writes the run directory, saves the final
     policy and evaluates it. The teacher is closed however training ends."""
     teacher_record = check_teacher(config)  # a leaky policy is refused before anything is written
-    start = prepare_run(config, output, resume, teacher_record)
-    training = build_training(config, start)
-    start_summary = evaluate_start(config, start, training)
-    with start.state.main_process_first():  # one process builds the cached evidence judge, the others reuse it
-        teacher = open_teacher(config)
+    # The teacher before anything is written or warmed up: a weak evidence judge is refused now, not after the
+    # warm start. Several processes may build the cached judge at once: its lock lets one build, the others reuse.
+    teacher = open_teacher(config)
     try:
+        start = prepare_run(config, output, resume, teacher_record)
+        training = build_training(config, start)
+        start_summary = evaluate_start(config, start, training)
         if start.main and teacher is not None:
             record_teacher(start.run, teacher_record, teacher)
         trainer = make_trainer(config, start, training, teacher)
@@ -338,18 +322,16 @@ def build_training(config: TrainConfig, start: RunStart) -> Training:
     optimiser in the run's precision, and the rollout engine with its own copy of the policy."""
     import torch
 
-    from eviback.generation import BackendConfig, load_backend
-    from eviback.policy import load_tokenizer
-    from eviback.retrieval import open_retriever
-    from eviback.rollout import RolloutEngine
-    from eviback.train.memory import rollout_kv_cache_gib
     from eviback.train.precision import MasterWeightAdamW
 
     run, main = start.run, start.main
     torch.manual_seed(config.seed)
     suite = load_suite(config.data)
     questions = read_training_questions(suite, config.train_files)
-    retriever = open_retriever(config.retriever, suite)
+    # a /retrieve service that stops answering is waited for until the deadline (commands/train.py then says
+    # how to resume)
+    retriever = open_retriever(config.retriever, suite,
+                               client=ClientConfig(deadline_s=config.retrieval_deadline_s))
     with start.state.main_process_first():  # one process builds the cached warm start, the others reuse it
         policy_path = initial_policy(config)
     if main:
@@ -386,19 +368,18 @@ def build_training(config: TrainConfig, start: RunStart) -> Training:
                     engine)
 
 
-def engine_rollout_config(config: TrainConfig, backend_max_context: int):  # noqa: ANN201 - a RolloutConfig
+def engine_rollout_config(config: TrainConfig, backend_max_context: int) -> RolloutConfig:
     """The run's rollout settings as the engine runs them: the context cap lowered to what the generation
     backend holds, when that is less."""
     return dataclasses.replace(config.rollout, max_context_tokens=min(backend_max_context,
                                                                       config.rollout.max_context_tokens))
 
 
-def evaluate_start(config: TrainConfig, start: RunStart, training: Training) -> Any | None:
+def evaluate_start(config: TrainConfig, start: RunStart, training: Training) -> EvalSummary | None:
     """The starting policy (the engine holds it now) on the held-out questions the trained policy will be
     evaluated on (main process; resumable, so a resumed run does not redo it). None when not asked for."""
     if not (start.main and config.eval_benchmarks and config.eval_warm_start):
         return None
-    from eviback.evaluate import run_eval
 
     log.info("evaluating the starting policy on the held-out questions")
     summary = run_eval(held_out_eval_config(config, start.run.eval_start_dir, training.policy_path,
@@ -408,13 +389,16 @@ def evaluate_start(config: TrainConfig, start: RunStart, training: Training) -> 
     return summary
 
 
-def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: Any) -> None:
+def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: Teacher) -> None:
     """What judged this run into teacher.json: the policy actually loaded (e.g. the two-stage policy with
-    the trained judge), beside the named policy's record."""
+    the trained judge), beside the named policy's record; and the trained judge of its Stage A, if any, with
+    its held-out figures (`evidence_judge.weak_accepted`: a weak judge the run accepted, accept_weak_judge)."""
+
     run.write_teacher({**(teacher_record or {}), "policy_used": teacher.policy.name,
                        "version_used": teacher.policy.version,
                        "boundary_violations_used": list(teacher.policy.boundary_violations()),
                        "oracle_used": teacher.policy.is_oracle,
+                       "evidence_judge": stage_a_record(teacher.policy),
                        # the whole policy: it may be composed for the run (judge, extractive Stage B)
                        "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
@@ -431,8 +415,8 @@ def gradient_checkpointing(setting: bool | None, accelerator: bool, parameters: 
     return accelerator and parameters >= CHECKPOINTING_PARAMETERS
 
 
-def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precision, cuda: bool,  # noqa: ANN201
-                  checkpointing: bool | None = None):
+def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precision, cuda: bool,
+                  checkpointing: bool | None = None) -> GRPOConfig:
     """TRL's GRPOConfig for the run: one optimiser step per generation batch (questions_per_step groups of
     group_size rollouts), scored in micro-batches; the sampling settings TRL needs to score the engine's
     tokens (temperature, top_p) are the rollout's own. `cuda`: the run computes on a GPU; `checkpointing`:
@@ -478,9 +462,9 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
     )
 
 
-def make_trainer(config: TrainConfig, start: RunStart, training: Training, teacher: Any):  # noqa: ANN201
+def make_trainer(config: TrainConfig, start: RunStart, training: Training, teacher: Teacher | None) -> EviBackTrainer:
     """The EviBackTrainer of the run, logging every step into the run directory (:class:`StepLog`)."""
-    from eviback.train.grpo import BehaviourCorrection, EviBackTrainer, training_dataset
+    from eviback.train.grpo import EviBackTrainer, training_dataset
     from eviback.train.step_log import StepLog
 
     step_log = StepLog(start.run, config.backoff, keep_rollout_steps=config.keep_rollout_steps,
@@ -489,24 +473,25 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
                          gradient_checkpointing(config.gradient_checkpointing, start.placement.accelerator,
                                                 sum(p.numel() for p in training.model.parameters())))
     pin_trainer(args, start.placement)  # one process: the placement's GPU, not cuda:0 and DataParallel
-    trainer = EviBackTrainer(
-        engine=training.engine,
-        questions={q.id: q for q in training.questions},
-        backoff=config.backoff,
-        judge_groups=teacher.judge_groups if teacher is not None else None,
-        on_step=step_log.on_rollouts,
-        push_weights=True,
-        master=training.master,
-        rollout_seed=config.seed,
-        correction=BehaviourCorrection(enabled=config.is_correction, cap=config.is_cap,
-                                       mode=f"{config.is_level}_truncate"),
-        model=training.model,
-        args=args,
-        train_dataset=training_dataset(training.questions),
-        processing_class=training.tokenizer,
-        optimizers=(training.optimizer, None),
-        callbacks=[step_log],
-    )
+    with quiet("trl-rollout-func"):  # TRL's experimental-API warning: eviback uses rollout_func on purpose
+        trainer = EviBackTrainer(
+            engine=training.engine,
+            questions={q.id: q for q in training.questions},
+            backoff=config.backoff,
+            judge_groups=teacher.judge_groups if teacher is not None else None,
+            on_step=step_log.on_rollouts,
+            push_weights=True,
+            master=training.master,
+            rollout_seed=config.seed,
+            correction=config.correction,
+            model=training.model,
+            args=args,
+            train_dataset=training_dataset(training.questions),
+            processing_class=training.tokenizer,
+            optimizers=(training.optimizer, None),
+            callbacks=[step_log],
+        )
+    keep_bar_only(trainer)  # the step bar without TRL's per-step dict of raw metrics
     # Accelerate put the trainer's model (and TRL its reference model) on the device: record where they are.
     # With fp32 masters on the CPU the trained model is the bf16 copy; the masters stay beside it.
     record("trainer", trainer.model, start.placement)
@@ -515,7 +500,8 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
     return trainer
 
 
-def finish_run(config: TrainConfig, start: RunStart, training: Training, start_summary: Any | None) -> Any | None:
+def finish_run(config: TrainConfig, start: RunStart, training: Training,
+               start_summary: EvalSummary | None) -> EvalSummary | None:
     """Save the final policy (the fp32 masters where there are some), evaluate it on the held-out questions
     and write the report (main process); then release the run directory. Returns the evaluation summary."""
     run, main = start.run, start.main
@@ -525,8 +511,6 @@ def finish_run(config: TrainConfig, start: RunStart, training: Training, start_s
         final.save_pretrained(run.final)
         training.tokenizer.save_pretrained(run.final)
         if config.eval_benchmarks:
-            from eviback.evaluate import run_eval
-
             training.backend.update_weights(training.model.named_parameters())
             summary = run_eval(held_out_eval_config(config, run.eval_dir, str(run.final),
                                                     max_context_tokens=training.engine.config.max_context_tokens),
@@ -545,7 +529,6 @@ PLACEMENTS_FILE = "placements.json"
 def write_placements(path: Path, placement: Placement, rank: int = 0) -> None:
     """Where this process's models computed (`eviback.device.placements()`): one file per process, the main
     process's as `path`, the others' beside it with their global rank (`placements.rank1.json`, ...)."""
-    from eviback.device import off_device, placements
 
     records = placements()
     target = path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
@@ -556,34 +539,35 @@ def write_placements(path: Path, placement: Placement, rank: int = 0) -> None:
 def write_start_record(path: Path, policy_path: str) -> None:
     """Which policy a run started from, by name and by a hash of its weights: runs compared as "from the same
     warm start" can be checked to be so, even when the warm start was rebuilt on another machine."""
-    from eviback.train.sft import model_fingerprint
 
     path.write_text(json.dumps({"policy": Path(policy_path).name, "fingerprint": model_fingerprint(policy_path)},
                                indent=2) + "\n")
 
 
-def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, **overrides: Any):  # noqa: ANN201
-    """The EvalConfig of a run's held-out evaluation: its benchmarks and limit, with its rollout settings."""
-    from eviback.evaluate import EvalConfig
+def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, *, max_context_tokens: int | None = None,
+                         **overrides: Any) -> EvalConfig:
+    """The EvalConfig of a run's held-out evaluation: its benchmarks and limit, with its rollout settings.
+    `max_context_tokens`: the cap of the engine it runs on (default: evaluation's own, RolloutConfig's)."""
 
+    limits = EvalConfig().rollout  # greedy, evaluation's context cap; the run's turns and token limits
     return EvalConfig(
         out=str(out), data=config.data, benchmarks=tuple(config.eval_benchmarks), limit=config.eval_limit,
         model=model, backend=config.backend, dtype=place(config.device, config.dtype).dtype,
         device=config.device, retriever=config.retriever,
-        topk=config.rollout.topk, max_turns=config.rollout.max_turns, max_turn_tokens=config.rollout.max_turn_tokens,
-        max_observation_tokens=config.rollout.max_observation_tokens, **overrides,
+        rollout=dataclasses.replace(
+            limits, topk=config.rollout.topk, max_turns=config.rollout.max_turns,
+            max_turn_tokens=config.rollout.max_turn_tokens, max_observation_tokens=config.rollout.max_observation_tokens,
+            max_context_tokens=max_context_tokens or limits.max_context_tokens),
+        **overrides,
     )
 
 
-def write_run_report(run: RunDir, summary: Any | None, start_summary: Any | None = None) -> Path:
+def write_run_report(run: RunDir, summary: EvalSummary | None, start_summary: EvalSummary | None = None) -> Path:
     """The run's HTML report: training curves, and the held-out evaluation (beside the starting policy's,
     when it was evaluated) as an HTML table."""
-    from eviback.train.plots import write_report
 
     extra = ""
     if summary is not None:
-        from eviback.evaluate import comparison_html
-
         tables = {"start": start_summary, "trained": summary} if start_summary is not None else {"trained": summary}
         extra = ("<h2>Held-out evaluation</h2>" + comparison_html(tables)
                  + "<p><a href='eval/viewer.html'>Trajectories of the evaluation, turn by turn</a></p>")

@@ -23,6 +23,9 @@ Precision (`dtype`, default `auto`: bf16 where the device computes it natively, 
 as fp32 on a CPU with bf16 instructions) while AdamW updates an fp32 master copy; pure bf16 weights lose
 updates of lr 1e-4 to rounding, and fp32 weights under bf16 autocast ran at half the speed. The saved
 weights are the fp32 master copy.
+
+torch, transformers, datasets and TRL (and `eviback.train.precision`, which imports torch) are imported by
+the functions that fine-tune: `eviback sft --help` and a cached warm start never load them.
 """
 
 from __future__ import annotations
@@ -36,17 +39,25 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
 from eviback.data import DataSuite, load_suite, read_training_questions
 from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, set_threads
+from eviback.retrieval import open_retriever
+from eviback.retrieval.base import Retriever
+from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields
 from eviback.train import warmstart_data as wsd
 from eviback.train.gauges import peak_rss_gb
-from eviback.types import to_dict
+from eviback.train.step_bar import keep_bar_only
+from eviback.types import Question, to_dict
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +82,12 @@ class WarmStartConfig:
     max_examples: int = field(default=200, metadata={"help": "training examples (at most one per question)"})
     multi_search_share: float = field(default=0.3, metadata={"help": "share of examples that search twice "
                                       "(multi-hop and search-again examples), where enough exist"})
-    topk: int = field(default=3, metadata={"help": "passages per search, as in the rollouts (Search-R1: 3)"})
-    max_obs_tokens: int = field(default=500, metadata={"help": "tokens of retrieved text per search, as in the "
-                                "rollouts (Search-R1: 500)"})
+    # the rollouts' own settings, by their names and defaults: an example looks like what the policy will see
+    topk: int = field(default=RolloutConfig.topk, metadata={"help": "passages per search, as in the rollouts "
+                      "(RolloutConfig.topk)"})
+    max_observation_tokens: int = field(default=RolloutConfig.max_observation_tokens, metadata={"help": "tokens of "
+                                        "retrieved text per search, as in the rollouts "
+                                        "(RolloutConfig.max_observation_tokens)"})
     # ---- optimisation
     epochs: float = field(default=1.0, metadata={"help": "passes over the examples"})
     learning_rate: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)"})
@@ -103,7 +117,7 @@ class WarmStartConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
-        for name in ("max_examples", "topk", "max_obs_tokens", "batch_size", "gradient_accumulation",
+        for name in ("max_examples", "topk", "max_observation_tokens", "batch_size", "gradient_accumulation",
                      "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -115,20 +129,23 @@ class WarmStartConfig:
             raise ValueError(f"learning_rate must be in (0, 1), got {self.learning_rate}; SFT uses ~1e-4")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        dtypes.check(self.dtype, allowed=("bfloat16", "float32"))  # float16 has no CPU kernels worth using
+        dtypes.check(self.dtype, allowed=dtypes.TRAINING_DTYPES)
         devices.check_device(self.device)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
 
     # Fields that do not change the trained weights, left out of the cache key.
     NOT_IN_KEY = ("output", "force", "threads", "logging_steps", "progress", "device")
+    # Settings named otherwise in the key: the name they had when the key was defined, so that a warm start
+    # saved before a setting took the rollouts' name is found again.
+    KEY_NAMES = {"max_observation_tokens": "max_obs_tokens"}
 
     def key_fields(self) -> dict[str, Any]:
         """The settings in the key, by value: a float setting given as an int (`epochs: 1` in YAML) is the
         same build as 1.0 on the command line, not another key and another warm start."""
         floats = {f.name for f in dataclasses.fields(self) if f.type in ("float", float)}
-        return {k: float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool) else v
-                for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
+        return {self.KEY_NAMES.get(k, k): float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool)
+                else v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,22 +181,22 @@ class TrainStats:
 # Data
 
 
-def training_questions(config: WarmStartConfig, suite: DataSuite) -> list:
+def training_questions(config: WarmStartConfig, suite: DataSuite) -> list[Question]:
     """The questions of the chosen training files, none of them in the suite's evaluation files."""
     return read_training_questions(suite, config.train_files)
 
 
-def build_training_set(config: WarmStartConfig, tokenizer, retriever=None):  # noqa: ANN001, ANN201
+def build_training_set(
+    config: WarmStartConfig, tokenizer: PreTrainedTokenizerBase, retriever: Retriever | None = None,
+) -> tuple[list[wsd.WarmStartExample], wsd.BuildReport]:
     """(selected examples, build report): trajectories from the training questions, then the selection."""
-    from eviback.retrieval import open_retriever
-
     suite = load_suite(config.data)
     questions = training_questions(config, suite)
     own_retriever = retriever is None
     retriever = open_retriever(config.retriever, suite) if own_retriever else retriever
     try:
         examples, report = wsd.build_examples(
-            questions, retriever, tokenizer, topk=config.topk, max_obs_tokens=config.max_obs_tokens,
+            questions, retriever, tokenizer, topk=config.topk, max_obs_tokens=config.max_observation_tokens,
             show_progress=config.progress,
         )
     finally:
@@ -242,7 +259,7 @@ def saved_key(directory: Path) -> str | None:
 # Entry point
 
 
-def warm_start(config: WarmStartConfig | None = None, retriever=None) -> Path:  # noqa: ANN001
+def warm_start(config: WarmStartConfig | None = None, retriever: Retriever | None = None) -> Path:
     """The directory of the warm-started model for `config`, training it unless a matching one is saved.
 
     `retriever` (optional) is an open retriever to build the examples with; by default the one
@@ -301,7 +318,8 @@ def warm_start(config: WarmStartConfig | None = None, retriever=None) -> Path:  
 # Fine-tuning
 
 
-def tokenized_dataset(examples: list[wsd.WarmStartExample], tokenizer, max_obs_tokens: int):  # noqa: ANN001, ANN201
+def tokenized_dataset(examples: list[wsd.WarmStartExample], tokenizer: PreTrainedTokenizerBase,
+                      max_obs_tokens: int) -> Dataset:
     """A `datasets.Dataset` with `input_ids` and `labels` (-100 on the prompt and observations)."""
     from datasets import Dataset
 
@@ -312,8 +330,8 @@ def tokenized_dataset(examples: list[wsd.WarmStartExample], tokenizer, max_obs_t
     return Dataset.from_list(rows)
 
 
-def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out_dir: Path,  # noqa: ANN001
-             config: WarmStartConfig) -> TrainStats:
+def finetune(examples: list[wsd.WarmStartExample], tokenizer: PreTrainedTokenizerBase, base_dir: str,
+             out_dir: Path, config: WarmStartConfig) -> TrainStats:
     """Fine-tune `base_dir` on `examples` with TRL's SFTTrainer on `config.device` and save the model into
     `out_dir`."""
     import torch
@@ -324,7 +342,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
 
     placement = devices.place(config.device, config.dtype)
     torch.manual_seed(config.seed)
-    dataset = tokenized_dataset(examples, tokenizer, config.max_obs_tokens)
+    dataset = tokenized_dataset(examples, tokenizer, config.max_observation_tokens)
     # The models are on the device before the optimiser is made: its state (and the fp32 masters the bf16
     # copy's gradients are added into) must be where the gradients are.
     master = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(placement.torch_device)
@@ -366,6 +384,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer, base_dir: str, out
     devices.pin_trainer(args, placement)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          optimizers=(optimizer, None))
+    keep_bar_only(trainer)  # the step bar without the trainer's dict of raw figures at each logging step
     start = time.perf_counter()
     output = trainer.train()
     seconds = time.perf_counter() - start

@@ -14,12 +14,12 @@ import logging
 import time
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from eviback.backoff import BackoffConfig
 from eviback.train.gauges import cpu_gauges, cpu_snapshot, gpu_gauges, peak_rss_gb, process_gauges
-from eviback.train.grpo import StepOutcome, compact_group_record, group_records, step_metrics
 from eviback.train.run import RunDir
+from eviback.train.step_records import StepOutcome, compact_group_record, group_records, step_metrics
 
 log = logging.getLogger("eviback.train.runner")  # the run's progress lines, under the runner's name as before
 
@@ -34,6 +34,9 @@ TRL_KEYS = {"loss": "train/loss", "kl": "train/kl", "grad_norm": "train/grad_nor
             "sampling/importance_sampling_ratio/min": "train/is_ratio_min",
             "sampling/importance_sampling_ratio/mean": "train/is_ratio_mean",
             "sampling/importance_sampling_ratio/max": "train/is_ratio_max"}
+
+# TRL's figures of the update itself: absent (None) in a step that ran no update (it kept no group)
+_UPDATE_KEYS = ("loss", "kl", "grad_norm", "entropy", "clip_ratio/region_mean")
 
 # Where the time of a step went outside the update (from the rollout metrics); the rest is the update.
 _OUTSIDE_UPDATE = ("time/rollout", "time/retrieval", "time/teacher", "time/weight_sync")
@@ -71,18 +74,22 @@ class StepLog(TrainerCallback):
         self.run.log_groups(compact_group_record(r) for r in records)
         self.run.log_rollouts(outcome.step, records, self.keep_rollout_steps)
 
-    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         self.step_started = time.perf_counter()
         self.cpu_started = cpu_snapshot()
         gpu_gauges()  # the peak counts from the step's start (the rollouts, the teacher and the update)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not self.main or not logs or "loss" not in logs:
             return
         record = self.pending.pop(state.global_step, {"step": state.global_step})
+        skipped = record.get("train/update_skipped", False)
         for key, name in TRL_KEYS.items():
             if key in logs:
-                record[name] = logs[key]
+                # a step without update has no loss, KL or gradient: TRL's zeros would read as figures
+                record[name] = None if skipped and key in _UPDATE_KEYS else logs[key]
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             record["train/learning_rate"] = scheduler.get_last_lr()[0]
@@ -96,8 +103,8 @@ class StepLog(TrainerCallback):
         record["run/dir_mb"] = self.run.size_mb()
         record["processes"] = self.processes
         self.run.log_metrics(record)
-        log.info("step %d/%d  em %.3f  all-zero %.2f  fallback %d (informative %d)  loss %.4f  %.0fs",
+        loss = "no update (no group kept)" if skipped else f"loss {record.get('train/loss') or 0:.4f}"
+        log.info("step %d/%d  em %.3f  all-zero %.2f  fallback %d (informative %d)  %s  %.0fs",
                  state.global_step, self.max_steps, record.get("rollout/em", 0),
                  record.get("backoff/all_zero_share", 0), record.get("backoff/fallback_groups", 0),
-                 record.get("backoff/informative_fallback_groups", 0),
-                 record.get("train/loss", 0), record["time/step"])
+                 record.get("backoff/informative_fallback_groups", 0), loss, record["time/step"])

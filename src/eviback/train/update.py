@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     without gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, inv_t, chunk, logits_dtype, keep_bytes):  # noqa: ANN001, ANN205
+    def forward(ctx: FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, inv_t: float,
+                chunk: int, logits_dtype: torch.dtype, keep_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps)
@@ -143,7 +145,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):  # noqa: ANN001, ANN205
+    def backward(ctx: FunctionCtx, grad_logps: torch.Tensor | None,
+                 _grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, target, log_z = ctx.saved_tensors
         inv_t, chunk = ctx.inv_t, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

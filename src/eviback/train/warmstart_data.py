@@ -35,13 +35,19 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from eviback.data import BENCHMARKS_MULTI_HOP
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import apply_chat_template, parse_action, render_observation
 from eviback.queries import SENTENCE_END, contains_words, entity_candidates, retry_query, search_query
 from eviback.retrieval.base import Retriever
-from eviback.types import Action, ActionKind, Passage, Question, StopReason, TokenTrace, Trajectory, Turn
+from eviback.types import ActionKind, Passage, Question, StopReason, TokenTrace, Trajectory, Turn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Bumped whenever the text of the built examples changes, so that cached warm starts are rebuilt.
 BUILDER_VERSION = 1
@@ -83,7 +89,7 @@ class BuildReport:
 # Observations as the rollout engine shows them
 
 
-def cap_observation(observation: str, tokenizer, max_tokens: int) -> str:  # noqa: ANN001 - HF tokenizer
+def cap_observation(observation: str, tokenizer: PreTrainedTokenizerBase, max_tokens: int) -> str:
     """`observation` cut to its first `max_tokens` tokens (the rollout engine's cap, Search-R1's rule)."""
     ids = tokenizer(observation, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
@@ -101,7 +107,8 @@ class _Search:
     visible: tuple[str, ...]  # the text of each passage that survived the observation cap
 
 
-def _make_search(query: str, passages: Sequence[Passage], tokenizer, max_obs_tokens: int) -> _Search:  # noqa: ANN001
+def _make_search(query: str, passages: Sequence[Passage], tokenizer: PreTrainedTokenizerBase,
+                 max_obs_tokens: int) -> _Search:
     full = render_observation(passages)
     shown = cap_observation(full, tokenizer, max_obs_tokens)
     # How much of `full` survived: the common prefix (decode may differ in the last, cut character).
@@ -198,7 +205,8 @@ def ground(golds: Sequence[str], search: _Search, allowed_ids: Iterable[str] = (
     return None
 
 
-def _ground_question(question: Question, search: _Search, allowed_ids: Iterable[str] | None = None):  # noqa: ANN202
+def _ground_question(question: Question, search: _Search,
+                     allowed_ids: Iterable[str] | None = None) -> _Grounding | None:
     subject = question.metadata.get("subj")
     allowed = question.gold_passage_ids if allowed_ids is None else allowed_ids
     return ground(question.golden_answers, search, allowed, str(subject) if subject else None)
@@ -257,7 +265,7 @@ def is_multi_hop(question: Question) -> bool:
 def build_examples(
     questions: Sequence[Question],
     retriever: Retriever,
-    tokenizer,  # noqa: ANN001 - HF tokenizer: counts observation tokens as the rollout engine does
+    tokenizer: PreTrainedTokenizerBase,  # counts observation tokens as the rollout engine does
     *,
     topk: int = 3,
     max_obs_tokens: int = 500,
@@ -276,8 +284,6 @@ def build_examples(
     first_results = retriever.search(first_queries, topk=topk) if questions else []
     iterator: Iterable = zip(questions, first_queries, first_results, strict=True)
     if show_progress:
-        from tqdm import tqdm
-
         iterator = tqdm(iterator, total=len(questions), desc="building warm-start examples", unit="question")
     for question, query, passages in iterator:
         considered[question.dataset or "?"] += 1
@@ -310,7 +316,8 @@ def _single(question: Question, first: _Search) -> tuple[WarmStartExample | None
     return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.SINGLE), ""
 
 
-def _retry(question, first, retriever, tokenizer, topk, max_obs_tokens):  # noqa: ANN001, ANN202
+def _retry(question: Question, first: _Search, retriever: Retriever, tokenizer: PreTrainedTokenizerBase, topk: int,
+           max_obs_tokens: int) -> tuple[WarmStartExample | None, str]:
     query = retry_query(question)
     if not query or normalize_answer(query) == normalize_answer(first.query):
         return None, "answer_not_retrieved"
@@ -327,7 +334,8 @@ def _retry(question, first, retriever, tokenizer, topk, max_obs_tokens):  # noqa
     return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.RETRY), ""
 
 
-def _multi_hop(question, first, retriever, tokenizer, topk, max_obs_tokens, max_candidates=8):  # noqa: ANN001, ANN202
+def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokenizer: PreTrainedTokenizerBase,
+               topk: int, max_obs_tokens: int, max_candidates: int = 8) -> tuple[WarmStartExample | None, str]:
     gold = set(question.gold_passage_ids)
     seen = {p.id for p in first.passages}
     golds_norm = [normalize_answer(a) for a in question.golden_answers]
@@ -410,7 +418,7 @@ def _round_robin(examples: Sequence[WarmStartExample], n: int, rng: random.Rando
 
 
 def tokenize_trajectory(
-    trajectory: Trajectory, tokenizer, max_obs_tokens: int = 500, end_with_eos: bool = True  # noqa: ANN001
+    trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase, max_obs_tokens: int = 500, end_with_eos: bool = True
 ) -> TokenTrace:
     """Prompt ids (the chat template's prompt, up to and including the assistant header) and response ids.
 
@@ -443,11 +451,6 @@ def labels_for(trace: TokenTrace) -> tuple[list[int], list[int]]:
         token if keep else IGNORE_INDEX for token, keep in zip(trace.ids, trace.mask, strict=True)
     ]
     return input_ids, labels
-
-
-def model_actions(trajectory: Trajectory) -> list[Action]:
-    """The actions of the model's turns (for checks: every turn but the last searches, the last answers)."""
-    return [turn.action for turn in trajectory.turns]
 
 
 __all__ = [
