@@ -568,8 +568,10 @@ def part_train(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
         try:
             extra = {}
             if preset.startswith("eviback") and preset != "eviback-oracle":
+                # a judge on random weights measures the judge's cost, not its competence: it is weak by
+                # construction, and accepted as such (the run records it)
                 extra = {"judge_base_model": write_judge_base(ctx), "judge_max_questions": sizes.judge_questions,
-                         "judge_epochs": 1}
+                         "judge_epochs": 1, "accept_weak_judge": True}
             results[preset] = train_run(preset, preset, path, ctx, {**common, **extra}, ctx["timeout"])
         except Exception as e:  # one preset failing is reported, the others still run
             results[preset] = {"error": f"{type(e).__name__}: {e}"[-2000:]}

@@ -28,9 +28,7 @@ SUFFIXES = ("Config", "Settings")
 # Dataclasses that carry a user's settings although their names do not say so.
 ALSO = ("eviback.experiment.config.Arm", "eviback.train.config.BehaviourCorrection")
 # Config classes that do not check their fields yet, and why.
-PENDING = {
-    "eviback.evaluate.EvalConfig": "being restructured; its __post_init__ does not call check_fields yet",
-}
+PENDING: dict[str, str] = {}
 
 
 def _arms() -> tuple[Any, ...]:
@@ -208,7 +206,7 @@ RANGES = [
     ("teacher.vllm_server.VllmServerConfig", {"dtype": "fp8"}, r"dtype must be one of auto"),
     ("train.judge_builder.EvidenceJudgeConfig", {"max_questions": -1}, r"max_questions=-1 \(--max-questions; "
                                                                        r"judge_max_questions in a training run\)"),
-    ("train.judge_builder.EvidenceJudgeConfig", {"max_obs_tokens": 8}, r"max_obs_tokens=8 \(--max-obs-tokens\) "
+    ("train.judge_builder.EvidenceJudgeConfig", {"max_observation_tokens": 8}, r"max_observation_tokens=8 \(--max-observation-tokens\) "
                                                                        r"must be >= 16"),
     ("train.judge_builder.EvidenceJudgeConfig", {"learning_rate": -1.0}, r"learning_rate=-1.0 \(--learning-rate\) "
                                                                          r"must be a number >= 0"),
@@ -223,6 +221,10 @@ RANGES = [
                                                                                r"two different arms"),
     ("experiment.config.Arm", {"seeds": (0, 0)}, r"arm 'grpo': seeds must be distinct integers"),
     ("experiment.config.Arm", {"name": "a b"}, r"arm name 'a b' must be letters, digits"),
+    ("evaluate.EvalConfig", {"backend": "tgi"}, r"backend must be 'vllm' or 'hf'"),
+    ("evaluate.EvalConfig", {"limit": 0}, r"limit must be >= 1"),
+    ("evaluate.EvalConfig", {"retrieval_deadline_s": 0.0}, r"retrieval_deadline_s must be > 0"),
+    ("evaluate.EvalConfig", {"rollout": {"max_turns": 2}}, r"EvalConfig.rollout must be a RolloutConfig"),
     ("ape.config.ControllerConfig", {"kind": "oracle"}, r"kind"),
     ("ape.config.ControllerConfig", {"dtype": "int8"}, r"controller dtype must be one of"),
     ("ape.config.ControllerConfig", {"http": {"base_url": "x"}}, r"ControllerConfig.http must be an HttpBackendConfig"),

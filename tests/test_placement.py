@@ -227,8 +227,10 @@ def judge_examples():
 def judge_config(tiny_judge, **changes):
     from eviback.train.judge_builder import EvidenceJudgeConfig
 
+    # the fine-tuned judge (the cross-encoder): the one whose training runs on the device
     return dataclasses.replace(EvidenceJudgeConfig(base_model=str(tiny_judge), epochs=1, batch_size=3, max_length=32,
-                                                   dtype="float32", threads=1, device="cpu"), **changes)
+                                                   dtype="float32", threads=1, device="cpu",
+                                                   architecture="cross-encoder"), **changes)
 
 
 def test_judge_training_is_placed_and_recorded(tiny_judge, tmp_path):

@@ -43,7 +43,7 @@ def test_a_local_two_stage_teacher_has_the_judge_and_the_extractive_stage_b_by_d
     assert [s.backend for s in policy.stages] == [f"evidence-judge:{SHA}", "extractive-span:max_words=8"]
     assert not policy.needs_llm and policy.boundary_violations() == ()  # the local teacher loads no LLM
     (asked,) = built
-    assert asked.train_files == ("popqa_train",) and asked.max_questions == 50 and asked.max_obs_tokens == 300
+    assert asked.train_files == ("popqa_train",) and asked.max_questions == 50 and asked.max_observation_tokens == 300
     assert asked.rollouts == ("ws_rollouts.jsonl.gz",)  # the warm start's rollouts the judge learns from
 
 

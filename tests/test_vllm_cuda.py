@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from eviback import device as devices
-from eviback import policy
 from eviback.generation import vllm as vllm_module
 from eviback.generation.base import SamplerRNG, SamplingConfig, sleep_backend, wake_backend
 from eviback.generation.vllm import (
@@ -118,8 +117,9 @@ def fake_gpu(monkeypatch, events):
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: cuda_rng.get(device, torch.tensor([-1])))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: cuda_rng.__setitem__(device, state))
     monkeypatch.setattr(SamplerRNG, "_fresh_cuda_state", lambda self, seed: torch.tensor([seed]))
-    monkeypatch.setattr(policy, "resolve_model", lambda name, dtype: "/checkpoint")
-    monkeypatch.setattr(policy, "load_tokenizer", lambda name, dtype: FakeTokenizer())
+    # where the backend calls them (it imports them by name)
+    monkeypatch.setattr(vllm_module, "resolve_model", lambda name, dtype: "/checkpoint")
+    monkeypatch.setattr(vllm_module, "load_tokenizer", lambda name, dtype: FakeTokenizer())
     monkeypatch.setattr(VllmBackend, "_start", lambda self, path, extra: FakeLLM(extra, events))
     monkeypatch.setattr(devices, "_placed", [])  # this test's records only
     return cuda_rng

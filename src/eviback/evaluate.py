@@ -47,6 +47,7 @@ from eviback.metrics import (
 from eviback.policy import DEFAULT_MODEL
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.settings import check_fields
 from eviback.templates import render
 from eviback.types import Question, Trajectory, from_dict, to_dict
 from eviback.viewer import write_viewer
@@ -315,12 +316,21 @@ class EvalConfig:
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
+        check_fields(self)  # a wrong type is refused by name; the ranges below compare numbers
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ValueError(f"EvalConfig.rollout must be a RolloutConfig, got {type(self.rollout).__name__}")
+        if self.backend not in ("vllm", "hf"):
+            raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 (or None: the default), got {self.kv_cache_gib}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None: torch's default), got {self.threads}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.batch_size < 0:
             raise ValueError(f"batch_size must be >= 1 (0: {CPU_EVAL_BATCH} on the CPU, {GPU_EVAL_BATCH} on a GPU), "
                              f"got {self.batch_size}")
-        if self.retrieval_deadline_s <= 0:
+        if not self.retrieval_deadline_s > 0 or self.retrieval_deadline_s == float("inf"):
             raise ValueError(f"retrieval_deadline_s must be > 0, got {self.retrieval_deadline_s}")
         dtypes.check(self.dtype)
         devices.check_device(self.device)

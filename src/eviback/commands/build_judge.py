@@ -39,10 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-files", nargs="+", default=[], metavar="NAME",
                         help=fields["train_files"]["help"])
     parser.add_argument("--rollouts", nargs="+", default=[], metavar="DUMP", help=fields["rollouts"]["help"])
-    for name in ("max_questions", "topk", "max_obs_tokens", "passages_per_question", "max_length", "batch_size",
-                 "seed"):
+    for name in ("max_questions", "topk", "max_observation_tokens", "passages_per_question", "max_length",
+                 "batch_size", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                             help=f"{fields[name]['help']} (default: %(default)s)")
+    # the name of the option before it took the rollout's field name
+    parser.add_argument("--max-obs-tokens", dest="max_observation_tokens", type=int, help=argparse.SUPPRESS)
     for name in ("balance_ratio", "heldout_share", "threshold", "epochs", "learning_rate"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
                             help=f"{fields[name]['help']} (default: %(default)s)")
@@ -65,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> EvidenceJudgeConfig:
         data=args.data, train_files=tuple(args.train_files), rollouts=tuple(args.rollouts), unit=args.unit,
         architecture=args.architecture,
         threshold=args.threshold, dtype=args.dtype, device=args.device,
-        max_questions=args.max_questions, topk=args.topk, max_obs_tokens=args.max_obs_tokens,
+        max_questions=args.max_questions, topk=args.topk, max_observation_tokens=args.max_observation_tokens,
         passages_per_question=args.passages_per_question, balance_ratio=args.balance_ratio, heldout_share=args.heldout_share, base_model=args.base_model,
         actor_model=args.actor_model,
         max_length=args.max_length, epochs=args.epochs, batch_size=args.batch_size,

@@ -70,6 +70,7 @@ from eviback.protocol import render_observation
 from eviback.queries import retry_query, search_query
 from eviback.retrieval import open_retriever
 from eviback.retrieval.base import Retriever
+from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields
 from eviback.teacher.config import register_judge_beside
 from eviback.teacher.evidence_judge import (
@@ -145,8 +146,9 @@ class EvidenceJudgeConfig:
                               "batch_size and learning_rate do not apply) or 'cross-encoder' (the encoder "
                               "fine-tuned on (question, text) pairs read together)", default=ARCH_BI)
     max_questions: int = _help("training questions used (0: all)", default=0)
-    topk: int = _help("passages per search, as the rollout engine retrieves", default=3)
-    max_obs_tokens: int = _help("an observation is cut to this many actor tokens, as in the rollouts", default=300)
+    topk: int = _help("passages per search, as the rollout engine retrieves", default=RolloutConfig.topk)
+    max_observation_tokens: int = _help("an observation is cut to this many actor tokens, as in the rollouts",
+                                        default=RolloutConfig.max_observation_tokens)
     actor_model: str = _help("the actor whose tokenizer cuts observations, as in its rollouts: a model name or "
                              "directory (default: the bundled SmolLM2)", default=DEFAULT_MODEL)
     passages_per_question: int = _help("retrieved passages of a question also used alone as evidence (each its "
@@ -184,8 +186,8 @@ class EvidenceJudgeConfig:
                              f"'{ARCH_CROSS}'")
         if self.architecture == ARCH_BI and self.unit != UNIT_PASSAGE:
             raise ValueError(f"a {ARCH_BI} judge reads passages: unit={self.unit!r} needs --architecture {ARCH_CROSS}")
-        for name, low in (("max_questions", 0), ("passages_per_question", 0), ("topk", 1), ("max_obs_tokens", 16),
-                          ("batch_size", 1)):
+        for name, low in (("max_questions", 0), ("passages_per_question", 0), ("topk", 1),
+                          ("max_observation_tokens", 16), ("batch_size", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} ({_option(name)}) must be >= {low}")
         if self.max_length and self.max_length < 32:
@@ -373,7 +375,7 @@ def build_examples(config: EvidenceJudgeConfig, progress: Callable[[str], None] 
         start = time.perf_counter()
         for i, q in enumerate(questions, start=1):
             for source, seen in question_searches(q, lambda query: list(retriever.search([query], config.topk)[0]),
-                                                  tokenizer, config.max_obs_tokens, config.topk,
+                                                  tokenizer, config.max_observation_tokens, config.topk,
                                                   config.passages_per_question):
                 if held(q.id):
                     if (e := evidence_example(q, seen, source)) is not None:

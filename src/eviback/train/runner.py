@@ -205,7 +205,7 @@ def teacher_policy(config: TrainConfig) -> TeacherPolicy:
                 data=config.data, train_files=tuple(config.train_files), max_questions=t.judge_max_questions,
                 architecture=t.judge_architecture, epochs=t.judge_epochs, rollouts=tuple(t.judge_rollouts),
                 topk=config.rollout.topk,
-                max_obs_tokens=config.rollout.max_observation_tokens, seed=config.build_seed,
+                max_observation_tokens=config.rollout.max_observation_tokens, seed=config.build_seed,
                 base_model=t.judge_base_model, actor_model=config.model, device=config.device))
             log.info("teacher: the trained evidence judge %s as Stage A (teacher_stage_a=prompted keeps the "
                      "prompted Stage A)", judge.sha256[:12])
