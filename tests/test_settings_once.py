@@ -102,11 +102,20 @@ def test_every_commands_dtype_choices_are_the_dtype_modules():
         assert given is dtypes.CHOICES or given is dtypes.TRAINING_CHOICES, (command, given)
 
 
-def test_the_retrieval_service_and_the_teacher_default_to_different_ports():
+def test_the_retrieval_service_the_teacher_and_the_policy_server_default_to_different_ports():
+    from eviback.commands.serve_policy import add_arguments
+    from eviback.evaluate import EvalConfig
+    from eviback.generation.server import DEFAULT_PORT as POLICY_PORT
+    from eviback.generation.server import DEFAULT_URL as POLICY_URL
     from eviback.retrieval.config import DEFAULT_PORT as RETRIEVAL_PORT
     from eviback.retrieval.config import ServerConfig
     from eviback.teacher.openai_http import DEFAULT_BASE_URL, DEFAULT_PORT, HttpBackendConfig
 
-    assert RETRIEVAL_PORT != DEFAULT_PORT
+    assert len({RETRIEVAL_PORT, DEFAULT_PORT, POLICY_PORT}) == 3
     assert ServerConfig().port == RETRIEVAL_PORT
     assert HttpBackendConfig().base_url == DEFAULT_BASE_URL and f":{DEFAULT_PORT}/" in DEFAULT_BASE_URL
+    # the policy server: one port, the one `eviback serve-policy` listens on and every client defaults to
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).port == POLICY_PORT and POLICY_URL.endswith(f":{POLICY_PORT}")
+    assert TrainConfig().policy_url == EvalConfig().policy_url == POLICY_URL

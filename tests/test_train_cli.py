@@ -53,6 +53,8 @@ def records(path):
 def test_train_writes_a_complete_run_directory(tmp_path):
     result = run_train(tmp_path, "run", 2)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the command ends with what the run did, the sentences that open its report
+    assert "## What happened (the top of the report)" in result.stdout and "- This run trained" in result.stdout
     run = tmp_path / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["max_steps"] == 2
     metrics = records(run / "metrics.jsonl")

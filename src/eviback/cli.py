@@ -17,7 +17,7 @@ from types import ModuleType
 from eviback.log_format import configure_logging
 
 # name -> module under eviback.commands; the order is the order of `eviback --help`
-COMMANDS = ("demo", "data", "index", "serve", "eval", "judge", "build-judge", "sft", "train", "experiment", "ape",
+COMMANDS = ("demo", "data", "index", "serve", "serve-policy", "eval", "judge", "build-judge", "sft", "train", "experiment", "ape",
             "report")
 # `eviback COMMAND WORD ...` run by their own module: (command, word) -> module under eviback.commands
 SUBCOMMANDS = {("index", "import-faiss"): "index_import"}

@@ -33,8 +33,10 @@ from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback import retrieval
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
-from eviback.generation import BackendConfig, load_backend
+from eviback.generation import BACKENDS, VLLM_SERVER, BackendConfig, load_backend
 from eviback.generation.base import GenerationBackend
+from eviback.generation.server import DEFAULT_URL as SERVER_URL
+from eviback.generation.server import ServerConfig, VllmServerBackend
 from eviback.metrics import (
     METRIC_NOTE,
     AnswerScores,
@@ -44,9 +46,9 @@ from eviback.metrics import (
     score_answer,
     trajectory_stats,
 )
-from eviback.policy import DEFAULT_MODEL
+from eviback.policy import DEFAULT_MODEL, resolve_model
 from eviback.retrieval.base import Retriever
-from eviback.rollout import RolloutConfig, RolloutEngine
+from eviback.rollout import RolloutBatch, RolloutConfig, RolloutEngine
 from eviback.settings import check_fields
 from eviback.templates import render
 from eviback.types import Question, Trajectory, from_dict, to_dict
@@ -137,18 +139,59 @@ def evaluate_tasks(
     *,
     batch_size: int = 64,
     on_batch: Callable[[list[EvalItem]], None] | None = None,
+    throughput: Throughput | None = None,
 ) -> list[EvalItem]:
     """Roll out every task once with `engine` (which should be greedy, see :func:`greedy`), `batch_size`
-    questions per batched rollout; `on_batch` sees each batch's items as soon as they exist."""
+    questions per batched rollout; `on_batch` sees each batch's items as soon as they exist, and `throughput`
+    (when given) adds up each batch's tokens and times."""
     items: list[EvalItem] = []
     for start in range(0, len(tasks), batch_size):
         chunk = tasks[start : start + batch_size]
         batch = engine.rollout([t.question for t in chunk], group_size=1)
         new = [EvalItem.of(task.benchmark, traj) for task, traj in zip(chunk, batch.trajectories, strict=True)]
         items.extend(new)
+        if throughput is not None:
+            throughput.add(batch)
         if on_batch is not None:
             on_batch(new)
     return items
+
+
+@dataclass
+class Throughput:
+    """Where an evaluation's time went: the questions rolled out, the tokens the policy generated, and the
+    seconds of generation, retrieval and the whole rollouts (`throughput.json`; a resumed evaluation's file
+    covers the questions of its last invocation)."""
+
+    questions: int = 0
+    batches: int = 0
+    generated_tokens: int = 0
+    generate_s: float = 0.0
+    retrieve_s: float = 0.0
+    rollout_s: float = 0.0
+
+    def add(self, batch: RolloutBatch) -> None:
+        self.questions += len(batch.groups)
+        self.batches += 1
+        self.generated_tokens += batch.generated_tokens
+        self.generate_s += batch.generate_s
+        self.retrieve_s += batch.retrieve_s
+        self.rollout_s += batch.wall_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second of generation (the engine's own rate, retrieval excluded)."""
+        return self.generated_tokens / self.generate_s if self.generate_s > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.tokens_per_s
+        return {**dataclasses.asdict(self), "generated_tokens_per_s": round(rate, 1) if rate is not None else None}
+
+    def line(self) -> str:
+        rate = self.tokens_per_s
+        return (f"{self.generated_tokens:,} generated tokens, {rate:,.0f} tokens/s of generation "
+                f"(generation {self.generate_s:.0f} s, retrieval {self.retrieve_s:.0f} s)" if rate is not None
+                else "no tokens generated")
 
 
 @dataclass(frozen=True)
@@ -286,6 +329,7 @@ CPU_EVAL_BATCH, GPU_EVAL_BATCH = 64, 256  # questions per batched rollout when `
 # The rollout settings a resumed evaluation must share with the first run (the sampling ones are greedy's).
 ROLLOUT_IDENTITY = ("topk", "max_turns", "max_turn_tokens", "max_observation_tokens", "max_context_tokens")
 PLACEMENTS_FILE = "placements.json"  # where the evaluation's models computed (eviback.device.placements)
+THROUGHPUT_FILE = "throughput.json"  # the last invocation's generated tokens and times (Throughput)
 
 
 @dataclass(frozen=True)
@@ -305,7 +349,9 @@ class EvalConfig:
                        "natively, else fp32: eviback.dtype), bfloat16, float32, float16; the resolved one is part "
                        "of the identity", "identity": True})
     device: str = field(default="auto", metadata={"help": devices.HELP})
-    backend: str = field(default="vllm", metadata={"help": "vllm or hf", "identity": True})
+    backend: str = field(default="vllm", metadata={"help": "vllm, hf, or vllm-server (the policy served at policy_url; "
+                         "model names it, for its tokenizer)", "identity": True})
+    policy_url: str = field(default=SERVER_URL, metadata={"help": "backend vllm-server: the policy server's base URL"})
     rollout: RolloutConfig = field(default_factory=greedy, metadata={
         "help": f"turn and token limits (RolloutConfig; max_turns {EVAL_MAX_TURNS} by default); its sampling "
                 "settings are always greedy's"})
@@ -319,8 +365,10 @@ class EvalConfig:
         check_fields(self)  # a wrong type is refused by name; the ranges below compare numbers
         if not isinstance(self.rollout, RolloutConfig):
             raise ValueError(f"EvalConfig.rollout must be a RolloutConfig, got {type(self.rollout).__name__}")
-        if self.backend not in ("vllm", "hf"):
-            raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == VLLM_SERVER:
+            ServerConfig(url=self.policy_url)  # checks it
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 (or None: the default), got {self.kv_cache_gib}")
         if self.threads is not None and self.threads < 1:
@@ -460,14 +508,19 @@ def run_eval(
         backend = backend or _load_backend(config)
         engine = RolloutEngine(backend, retriever, config.rollout)
         started = time.perf_counter()
+        throughput = Throughput()
         with tqdm(total=len(pending), desc="eval", unit="q", disable=not config.progress) as bar:
             def on_batch(new: list[EvalItem]) -> None:
                 _append_items(items_path, new)
                 bar.update(len(new))
 
             # Longer questions together would pad less, but input order keeps resume and logs simple.
-            evaluate_tasks(engine, pending, batch_size=eval_batch_size(config), on_batch=on_batch)
-        log.info("evaluated %d questions in %.0f s", len(pending), time.perf_counter() - started)
+            evaluate_tasks(engine, pending, batch_size=eval_batch_size(config), on_batch=on_batch,
+                           throughput=throughput)
+        log.info("evaluated %d questions in %.0f s: %s", len(pending), time.perf_counter() - started,
+                 throughput.line())
+        _write_atomic(out / THROUGHPUT_FILE, json.dumps({**throughput.to_dict(), "backend": config.backend,
+                                                         "batch_size": eval_batch_size(config)}, indent=2) + "\n")
         if own_retriever:
             retriever.close()
     _write_atomic(out / PLACEMENTS_FILE, json.dumps(
@@ -484,10 +537,15 @@ def eval_batch_size(config: EvalConfig) -> int:
 
 
 def _load_backend(config: EvalConfig) -> GenerationBackend:
-    return load_backend(BackendConfig(
+    backend = load_backend(BackendConfig(
         backend=config.backend, model=config.model, dtype=config.dtype, device=config.device,
         max_model_len=max(4096, config.rollout.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
+        policy_url=config.policy_url,
     ))
+    if isinstance(backend, VllmServerBackend) and backend.info.root != resolve_model(config.model, config.dtype):
+        log.warning("the policy server at %s serves %s, and this evaluation names %s: the results are the served "
+                    "model's (the two share a tokenizer)", backend.url, backend.info.root, config.model)
+    return backend
 
 
 def write_summary(out: Path, tasks: Sequence[EvalTask] | None = None) -> EvalSummary:

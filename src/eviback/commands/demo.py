@@ -34,14 +34,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
-import textwrap
 from pathlib import Path
 
+from eviback.commands.train import print_summary
 from eviback.device import place
 from eviback.dtype import DtypeChoice
 from eviback.evaluate import comparison_markdown
 from eviback.train.config import TrainConfig, resolve_config
-from eviback.train.report_summary import summarize_run
 from eviback.train.runner import run_training, teacher_is_oracle
 
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
@@ -111,9 +110,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"trajectories:  {result.run_dir / 'eval' / 'viewer.html'}")
     return 0
 
-
-def print_summary(run_dir: Path) -> None:
-    """What the run did, in the sentences that open its report (eviback.train.report_summary)."""
-    print("\n## What happened (the top of the report)\n")
-    for sentence in summarize_run(run_dir).sentences():
-        print(textwrap.fill(sentence, width=110, initial_indent="- ", subsequent_indent="  "))

@@ -20,6 +20,7 @@ import sys
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.evaluate import EvalConfig, run_eval, summary_markdown
+from eviback.generation import BACKENDS
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.rollout import RolloutConfig
 
@@ -43,8 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default=defaults.dtype, choices=dtypes.CHOICES,
                        help="auto (default): bf16 where the device computes it natively, else fp32")
     model.add_argument("--device", default=defaults.device, help=devices.HELP + " (default: %(default)s)")
-    model.add_argument("--backend", default=defaults.backend, choices=["vllm", "hf"],
-                       help="generation engine (default: %(default)s)")
+    model.add_argument("--backend", default=defaults.backend, choices=BACKENDS,
+                       help="generation engine (default: %(default)s); vllm-server: the policy a `vllm serve` "
+                            "process serves at --policy-url (`eviback serve-policy`), --model naming it")
+    model.add_argument("--policy-url", default=defaults.policy_url,
+                       help="--backend vllm-server: the policy server's base URL (default: %(default)s)")
     model.add_argument("--kv-cache-gib", type=float, help="vLLM on CPU: KV cache size in GiB (default 2)")
     model.add_argument("--threads", type=int, help="torch threads")
     rollout = parser.add_argument_group("rollout")
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         backend=args.backend,
+        policy_url=args.policy_url,
         rollout=RolloutConfig(topk=args.topk, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                               max_observation_tokens=args.max_observation_tokens,
                               max_context_tokens=args.max_context_tokens),

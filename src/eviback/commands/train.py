@@ -23,10 +23,12 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from eviback.evaluate import comparison_markdown
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.train.config import TrainConfig, describe_fields, resolve_config
+from eviback.train.report_summary import summary_text
 from eviback.train.run import RunDir
 from eviback.train.runner import run_training
 
@@ -61,8 +63,16 @@ def run(args: argparse.Namespace) -> int:
     if result.eval_summary is not None:
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
         print(comparison_markdown({**tables, "trained": result.eval_summary}, title="Held-out evaluation"))
+    if result.main:
+        print_summary(result.run_dir)
     print(f"run: {result.run_dir}\nmodel: {result.final_model}\nreport: {result.report}")
     return 0
+
+
+def print_summary(run_dir: Path) -> None:
+    """What the run did, in the sentences that open its report (eviback.train.report_summary)."""
+    print("\n## What happened (the top of the report)\n")
+    print(summary_text(run_dir))
 
 
 def resume_command(args: argparse.Namespace, output: str) -> str:
@@ -87,7 +97,10 @@ def retrieval_stop_message(error: RetrieverUnavailable, config: TrainConfig, out
     logged = [m["step"] for m in run.read_metrics() if "step" in m]
     done = max(logged, default=0)
     checkpoint = run.last_checkpoint_step()
-    if done >= config.max_steps:
+    if done == 0 and checkpoint is None:
+        where = "before its first step was done (in the warm start, or the first rollouts)"
+        redone = "--resume starts it over, reusing a finished warm start"
+    elif done >= config.max_steps:
         where = f"after its last step ({done} of {config.max_steps}), in the final evaluation"
         redone = "--resume redoes only the evaluation's unfinished questions"
     else:

@@ -1,4 +1,5 @@
-"""Generation engines behind one contract (`base.GenerationBackend`): vLLM (default) and HF `generate`.
+"""Generation engines behind one contract (`base.GenerationBackend`): vLLM in this process (default), HF
+`generate`, and a `vllm serve` process reached over HTTP (`vllm-server`, TRL's server mode: `server.py`).
 
     from eviback.generation import BackendConfig, load_backend
     backend = load_backend(BackendConfig(backend="vllm", model="smollm2-135m"))
@@ -25,17 +26,20 @@ from eviback.generation.base import (
     GenerationBackend,
     SamplingConfig,
 )
+from eviback.generation.server import DEFAULT_URL, ServerConfig, VllmServerBackend
 from eviback.policy import DEFAULT_MODEL
 from eviback.settings import check_fields
 
-BACKENDS = ("vllm", "hf")
+VLLM_SERVER = "vllm-server"
+BACKENDS = ("vllm", "hf", VLLM_SERVER)
 
 
 @dataclass(frozen=True)
 class BackendConfig:
     """Which generation engine to run a policy on, and how."""
 
-    backend: str = field(default="vllm", metadata={"help": "vllm (fast, prefix caching, weight push) or hf (transformers generate)"})
+    backend: str = field(default="vllm", metadata={"help": "vllm (in this process: fast, prefix caching, weight "
+                         "push), hf (transformers generate) or vllm-server (a `vllm serve` process at policy_url)"})
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 where the device computes it natively, else "
                        "fp32: eviback.dtype), bfloat16, float32 or float16"})
@@ -49,6 +53,8 @@ class BackendConfig:
     hf_cache: str = field(default="auto", metadata={"help": "hf: KV cache, dynamic or static (auto: static on a GPU, "
                           "dynamic on the CPU)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (None: the backend's default: vllm 1 while generating, hf torch's own)"})
+    policy_url: str = field(default=DEFAULT_URL, metadata={"help": "vllm-server: the policy server's base URL"})
+    policy_timeout_s: float = field(default=600.0, metadata={"help": "vllm-server: seconds one request may take"})
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
@@ -66,15 +72,23 @@ class BackendConfig:
             raise ValueError(f"hf_cache must be one of {', '.join(HF_CACHES)}, got {self.hf_cache!r}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 (GiB), or None for the engine's default, got {self.kv_cache_gib}")
+        if self.backend == VLLM_SERVER:
+            self.server_config()  # checks the URL and the timeout
         for name in ("block_size", "hf_batch_size", "threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, or None for the backend's default, got {value}")
 
+    def server_config(self) -> ServerConfig:
+        """How to reach the policy server (backend vllm-server)."""
+        return ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)
+
 
 def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
     """The backend `config` names: the process's cached vLLM engine, or a freshly loaded HF model."""
     config = config or BackendConfig()
+    if config.backend == VLLM_SERVER:
+        return VllmServerBackend.connect(config.model, config.server_config(), config.dtype)
     if config.backend == "hf":
         from eviback.generation.hf import HFBackend
 
@@ -98,5 +112,5 @@ def load_backend(config: BackendConfig | None = None) -> GenerationBackend:
     ))
 
 
-__all__ = ["BACKENDS", "BackendConfig", "Completion", "FinishReason", "GenerationBackend", "SamplingConfig",
+__all__ = ["BACKENDS", "VLLM_SERVER", "BackendConfig", "Completion", "FinishReason", "GenerationBackend", "SamplingConfig",
            "load_backend"]

@@ -32,6 +32,9 @@ import yaml
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig
+from eviback.generation import BACKENDS, VLLM_SERVER
+from eviback.generation.server import DEFAULT_URL as SERVER_URL
+from eviback.generation.server import ServerConfig
 from eviback.policy import DEFAULT_MODEL
 from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields, check_values, field_types, parse_setting_value
@@ -224,7 +227,11 @@ class TrainConfig:
                                         "keeps retrying a service that does not answer (stopped, restarting, "
                                         "loading its index) before the run stops and says how to --resume it"})
     # ---- rollouts
-    backend: str = field(default="vllm", metadata={"help": "generation engine: vllm or hf"})
+    backend: str = field(default="vllm", metadata={"help": "generation engine: vllm (in this process), hf, or "
+                         "vllm-server (a `vllm serve` process at policy_url, TRL's server mode: `eviback serve-policy`)"})
+    policy_url: str = field(default=SERVER_URL, metadata={"help": "backend=vllm-server: the policy server's base URL"})
+    policy_timeout_s: float = field(default=600.0, metadata={"help": "backend=vllm-server: seconds one generation "
+                                    "request may take"})
     questions_per_step: int = field(default=4, metadata={"help": "questions per optimisation step"})
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_context_tokens=context_tokens(
         RolloutConfig.max_turns, RolloutConfig.max_turn_tokens, RolloutConfig.max_observation_tokens)))
@@ -278,8 +285,10 @@ class TrainConfig:
             if not isinstance(getattr(self, name), section):
                 raise ValueError(f"TrainConfig.{name} must be a {section.__name__}; build a config from settings "
                                  "with TrainConfig.from_settings(...)")
-        if self.backend not in ("vllm", "hf"):
-            raise ValueError(f"backend must be 'vllm' or 'hf', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == VLLM_SERVER:
+            ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)  # checks both
         rollout = self.rollout
         if rollout.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {rollout.group_size}")

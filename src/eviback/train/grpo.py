@@ -158,7 +158,13 @@ class EviBackTrainer(FastScoring, MasterWeights):
             return
         t0 = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
-        self.engine.backend.update_weights(model.named_parameters())
+        if getattr(self.engine.backend, "shared", False):
+            # one engine serves every process (a policy server): the main process pushes, the others wait for it
+            if self.accelerator.is_main_process:
+                self.engine.backend.update_weights(model.named_parameters())
+            self.accelerator.wait_for_everyone()
+        else:
+            self.engine.backend.update_weights(model.named_parameters())
         self._weights_step = self.state.global_step
         self._generation.sync_s = time.perf_counter() - t0
 

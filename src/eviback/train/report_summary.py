@@ -27,6 +27,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,12 @@ def summarize_run(run_dir: str | Path, *, samples: int = BOOTSTRAP_SAMPLES, seed
         held_out=_held_out(root / "eval-start", root / "eval", samples, seed),
         teacher=mode == "eviback",
     )
+
+
+def summary_text(run_dir: str | Path, width: int = 110) -> str:
+    """The summary's sentences as a terminal prints them: a bulleted list, wrapped at `width`."""
+    return "\n".join(textwrap.fill(sentence, width=width, initial_indent="- ", subsequent_indent="  ")
+                     for sentence in summarize_run(run_dir).sentences())
 
 
 def _number(x: Any) -> float | None:

