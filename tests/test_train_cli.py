@@ -63,8 +63,10 @@ def test_train_writes_a_complete_run_directory(tmp_path):
                 "backoff/fallback_share", "teacher/calls", "teacher/errors", "time/rollout", "time/teacher",
                 "time/update", "train/loss", "memory/peak_rss_gb", "train/engine_logp_diff_mean",
                 "train/engine_logp_diff_max", "train/is_ratio_mean", "rollout/length_cut_share", "time/cpu",
-                "host/other_cpu_s", "host/steal_share"):
+                "host/other_cpu_s", "host/steal_share", "train/update_tokens", "train/scored_tokens"):
         assert key in metrics[0], key
+    # the update's tokens: every kept rollout's prompt and response (no group is dropped in GRPO+teacher)
+    assert metrics[0]["train/update_tokens"] > metrics[0]["train/scored_tokens"] > 0
     assert metrics[0]["time/cpu"] > 0  # the run's own CPU seconds over the step (train/gauges.py)
     # the engine (a bf16 HF copy) and the trainer (bf16 with fp32 masters) sample the same policy: small
     # differences, measured; TRL's EOS-based "clipped" figure is replaced by the share cut by the budget

@@ -149,7 +149,8 @@ def test_a_run_directory_is_trained_by_one_process_at_a_time(tmp_path):
 # Every setting `eviback train` has taken by name (docs/training.md, presets, experiment files): each still
 # takes it, and each lives in exactly one field of the nested config.
 SETTING_NAMES = {
-    "model", "warm_start", "warm_start_examples", "data", "train_files", "retriever", "backend", "group_size",
+    "model", "warm_start", "warm_start_examples", "data", "train_files", "retriever", "backend", "policy_url",
+    "policy_timeout_s", "group_size",
     "questions_per_step", "temperature", "top_p", "max_turns", "max_turn_tokens", "max_obs_tokens", "topk", "mode",
     "lam", "adv_eps", "teacher", "teacher_backend", "teacher_model", "teacher_url", "teacher_concurrency",
     "allow_leaky_teacher", "learning_rate", "max_grad_norm", "is_correction", "is_cap", "is_level", "beta",

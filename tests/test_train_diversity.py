@@ -124,3 +124,28 @@ def test_a_step_counts_stage_a_as_a_gate_against_the_evidence_labels():
 
     assert outcome.labels == ((S, I, I),)
     assert compact_group_record(group_records(outcome)[0])["labels"] == ["S", "I", "I"]
+
+
+def test_the_update_counts_the_tokens_of_the_kept_rollouts_only():
+    """`train/update_tokens` and `train/scored_tokens`: each kept rollout's prompt + response, and its model
+    tokens; a dropped group (DAPO) adds nothing, and a step without an update counts 0."""
+    import dataclasses
+
+    from eviback.backoff import GroupAdvantages, GroupKind
+    from eviback.rollout import RolloutBatch
+    from eviback.train.step_records import StepOutcome, update_tokens
+    from eviback.types import TokenTrace
+
+    def traced(prompt: int, mask: tuple[int, ...]):
+        trace = TokenTrace(prompt_ids=(1,) * prompt, ids=tuple(range(len(mask))), mask=mask)
+        return dataclasses.replace(rollout(), tokens=trace)
+
+    kept = Group(Q, (traced(10, (1, 1, 0, 0, 1)), traced(10, (1, 1, 1))))
+    dropped = Group(Q, (traced(10, (1,) * 7), traced(10, (1,) * 7)))
+    outcomes = (GroupAdvantages(GroupKind.VERIFIED, (1.0, 0.0), (1.0, 0.0), (0.7, -0.7)),
+                GroupAdvantages(GroupKind.VERIFIED, (1.0, 1.0), (1.0, 1.0), (0.0, 0.0), keep=False))
+    outcome = StepOutcome(step=1, batch=RolloutBatch((kept, dropped), (), 1.0), outcomes=outcomes,
+                          verdicts=(None, None), teacher_s=0.0, sync_s=0.0)
+    assert update_tokens(outcome) == {"train/update_tokens": 10 + 5 + 10 + 3, "train/scored_tokens": 3 + 3}
+    skipped = dataclasses.replace(outcome, update_skipped=True)
+    assert update_tokens(skipped) == {"train/update_tokens": 0, "train/scored_tokens": 0}

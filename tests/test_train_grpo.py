@@ -394,6 +394,8 @@ def test_a_step_that_keeps_no_group_leaves_the_weights_bit_identical(tmp_path):
     assert [s.batch.groups[0].question.id for s in steps] == ["q-hit", "q-miss"]
     assert [s.update_skipped for s in steps] == [False, True]
     assert step_metrics(steps[1], trainer.backoff)["train/update_skipped"] is True
+    assert step_metrics(steps[1], trainer.backoff)["train/update_tokens"] == 0  # no update: no tokens computed on
+    assert step_metrics(steps[0], trainer.backoff)["train/update_tokens"] > 0
     first, second = weights
     for name in first:
         assert torch.equal(first[name], second[name]), name

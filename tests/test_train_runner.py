@@ -39,7 +39,7 @@ def test_the_teacher_is_closed_when_training_raises(tmp_path, monkeypatch, where
         return _FailingTrainer()
 
     # Nothing heavy: no model, no engine, no evaluation; the run directory and the teacher are real calls.
-    monkeypatch.setattr(runner, "build_training", lambda config, start: types.SimpleNamespace())
+    monkeypatch.setattr(runner, "build_training", lambda config, start, server=None: types.SimpleNamespace())
     monkeypatch.setattr(runner, "evaluate_start", lambda config, start, training: None)
     monkeypatch.setattr(runner, "open_teacher", lambda config: teacher)
     monkeypatch.setattr(runner, "make_trainer", make_trainer)

@@ -63,6 +63,22 @@ def merge_outcomes(outcomes: Sequence[StepOutcome]) -> StepOutcome:
     )
 
 
+def update_tokens(outcome: StepOutcome) -> dict[str, int]:
+    """The tokens the step's update computed on, over every process: each kept rollout's prompt and response
+    (`train/update_tokens`, what a forward pass reads: with the parameter count, the step's FLOPs) and its
+    model tokens (`train/scored_tokens`, the positions the loss scores). 0 when the step ran no update."""
+    total = scored = 0
+    if not outcome.update_skipped:
+        for group, advantages in zip(outcome.batch.groups, outcome.outcomes, strict=True):
+            if not advantages.keep:
+                continue
+            for trajectory in group.trajectories:
+                if trajectory.tokens is not None:
+                    total += len(trajectory.tokens.prompt_ids) + len(trajectory.tokens.ids)
+                    scored += sum(trajectory.tokens.mask)
+    return {"train/update_tokens": total, "train/scored_tokens": scored}
+
+
 def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]:
     """The namespaced metrics of one step (rollouts, groups, teacher, time)."""
     batch = outcome.batch
@@ -98,6 +114,7 @@ def step_metrics(outcome: StepOutcome, backoff: BackoffConfig) -> dict[str, Any]
         "time/teacher": outcome.teacher_s,
         "time/weight_sync": outcome.sync_s,
         "train/update_skipped": outcome.update_skipped,
+        **update_tokens(outcome),
     }
     for status in Status:
         record[f"teacher/status_{status.value}"] = sum(st is status for st in statuses)
