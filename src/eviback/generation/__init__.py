@@ -27,10 +27,10 @@ from eviback.generation.base import (
     SamplingConfig,
 )
 from eviback.generation.server import DEFAULT_URL, ServerConfig, VllmServerBackend
+from eviback.generation.server import NAME as VLLM_SERVER
 from eviback.policy import DEFAULT_MODEL
 from eviback.settings import check_fields
 
-VLLM_SERVER = "vllm-server"
 BACKENDS = ("vllm", "hf", VLLM_SERVER)
 
 
