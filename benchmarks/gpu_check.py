@@ -377,17 +377,11 @@ def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     return results
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_policy_server(ctx: dict[str, Any], path: Path, sizes: Sizes, cuda: bool) -> tuple[subprocess.Popen, str]:
     """`eviback serve-policy` of `path` as a user starts it (its log in OUT/serve-policy.log), answering."""
     import httpx
+
+    from eviback.teacher.vllm_server import free_port
 
     port = free_port()
     length = max(256, sizes.gen_prompt + sizes.gen_tokens + 64)  # vLLM's CPU blocks hold 128 tokens
