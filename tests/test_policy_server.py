@@ -237,3 +237,164 @@ def test_eviback_eval_refuses_a_dead_server_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert "no policy server answers at http://127.0.0.1:9" in err and "eviback serve-policy" in err
+
+
+# ---- a server that stops answering in the middle of the work
+
+
+def test_a_server_that_stops_answering_mid_run_is_unavailable_not_retried(tokenizer):
+    """A refused connection, a timeout or a 502-504 after the start is PolicyServerUnavailable (exit 75, found
+    through wrapping errors): not retried, since a restarted server holds other weights than the last push."""
+    from eviback.generation.server import PolicyServerUnavailable
+    from eviback.unavailable import ServiceUnavailable
+
+    state = {"up": True}
+
+    def complete(body):
+        if not state["up"]:
+            raise httpx.ConnectError("Connection refused")
+        return FakeServer.echo(body)
+
+    server = FakeServer(tokenizer, complete=complete)
+    backend = server.backend()
+    backend.generate([[1, 2, 3]], SamplingConfig(max_tokens=4))
+    state["up"] = False
+    with pytest.raises(PolicyServerUnavailable) as down:
+        backend.generate([[1, 2, 3]], SamplingConfig(max_tokens=4))
+    assert len(server.bodies) == 2  # one attempt, no retry
+    error = down.value
+    assert error.exit_code == 75 and error.url == "http://localhost:8002"
+    assert error.describe() == "the policy server at http://localhost:8002 stopped answering (last error: " \
+                               "ConnectError: Connection refused)"
+    try:
+        raise RuntimeError("rollout failed") from error
+    except RuntimeError as wrapped:
+        assert ServiceUnavailable.found_in(wrapped) is error
+    unavailable = FakeServer(tokenizer, complete=lambda body: httpx.Response(503, text="shutting down"))
+    with pytest.raises(PolicyServerUnavailable, match="HTTP 503 from /v1/completions"):
+        unavailable.backend().generate([[1]], SamplingConfig(max_tokens=2))
+
+
+def test_a_server_down_at_the_start_is_a_refusal_not_a_stopped_run(tokenizer):
+    """Before any work a dead server is a settings error (exit 2), which --resume would not mend: the
+    unavailable error under it is hidden from the commands' search."""
+    from eviback.unavailable import ServiceUnavailable
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("Connection refused", request=request)
+
+    with pytest.raises(ServerError) as refused:
+        VllmServerBackend(tokenizer, ServerConfig(), transport=httpx.MockTransport(down))
+    assert ServiceUnavailable.found_in(refused.value) is None
+
+
+def test_eviback_train_stopped_by_its_policy_server_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    """The paragraph and exit status of a training run whose policy server stopped answering in step 4 (the
+    run itself needs a GPU: its stop is raised where `run_training` would raise it)."""
+    from eviback.cli import main
+    from eviback.commands import train as command
+    from eviback.generation.server import PolicyServerUnavailable
+    from eviback.train.run import RunDir
+
+    output = tmp_path / "run"
+
+    def stopped(config, out, *, resume=False):
+        run = RunDir(out)
+        run.root.mkdir()
+        for step in (1, 2, 3):
+            run.log_metrics({"step": step})
+        (run.checkpoints / "checkpoint-2").mkdir(parents=True)
+        (run.checkpoints / "checkpoint-2" / "trainer_state.json").write_text("{}")
+        try:
+            raise PolicyServerUnavailable("http://gpu7:8002", "RemoteProtocolError: Server disconnected")
+        except PolicyServerUnavailable as e:
+            raise RuntimeError("TRL's step failed") from e
+
+    monkeypatch.setattr(command, "run_training", stopped)
+    code = main(["train", "--preset", "grpo", "--set", "backend=vllm-server", "--set", "policy_url=http://gpu7:8002",
+                 "--set", "save_steps=2", "--output", str(output)])
+    err = capsys.readouterr().err
+    assert code == 75 and "Traceback" not in err, err
+    assert err.startswith("eviback train: the policy server at http://gpu7:8002 stopped answering (last error: "
+                          "RemoteProtocolError: Server disconnected), so the run stopped in step 4 of ")
+    assert "steps 3-4 are redone" in err and "`eviback serve-policy` serving at http://gpu7:8002" in err
+    assert f"--output {output} --resume`, which pushes the run's weights into the restarted server" in err
+    assert "policy_timeout_s=SECONDS` (now 600)" in err
+
+
+class _DyingServer:
+    """A real HTTP server in a thread, answering as `FakeServer` does until `completions` completions were
+    served; from then on it drops each completion request unanswered (a server that crashed mid-request)."""
+
+    def __init__(self, fake: FakeServer, completions: int) -> None:
+        import http.server
+        import threading
+
+        owner = self
+        self.fake, self.left = fake, completions
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _serve(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path.startswith("/v1/completions"):
+                    with lock:
+                        owner.left -= 1
+                        dead = owner.left < 0
+                    if dead:
+                        self.close_connection = True
+                        return
+                reply = owner.fake.handle(httpx.Request(self.command, f"http://x{self.path}", content=body))
+                self.send_response(reply.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply.content)))
+                self.end_headers()
+                self.wfile.write(reply.content)
+
+            do_GET = do_POST = _serve
+
+        lock = threading.Lock()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_eviback_eval_stopped_by_its_policy_server_keeps_the_answers_and_resumes(tokenizer, tmp_path, capsys):
+    """Over real HTTP: the server answers the first batch's questions, then drops requests. The evaluation stops
+    with exit 75 and the paragraph, keeping the answered questions; the same command against a live server
+    evaluates the rest only."""
+    from eviback.cli import main
+
+    answer = tokenizer.encode("<answer> Paris </answer>", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def answers(body):
+        return {"token_ids": answer, "finish_reason": "stop", "stop_reason": None,
+                "logprobs": {"token_logprobs": [-0.1] * len(answer)}}
+
+    out = tmp_path / "eval"
+    dying = _DyingServer(FakeServer(tokenizer, complete=answers), completions=2)
+    command = ["eval", "--backend", "vllm-server", "--benchmarks", "nq", "--limit", "4", "--batch-size", "2",
+               "--out", str(out), "--no-progress"]
+    try:
+        code = main([*command, "--policy-url", dying.url])
+    finally:
+        dying.close()
+    err = capsys.readouterr().err
+    assert code == 75 and "Traceback" not in err, err[-3000:]
+    assert f"eviback eval: the policy server at {dying.url} stopped answering (last error: RemoteProtocolError" in err
+    assert "once the policy server answers again (`eviback serve-policy` serving at" in err
+    items = list((out).rglob("items.jsonl"))
+    assert len(items) == 1 and len(items[0].read_text().splitlines()) == 2
+    live = _DyingServer(FakeServer(tokenizer, complete=answers), completions=100)
+    try:
+        assert main([*command, "--policy-url", live.url]) == 0
+        assert live.left == 100 - 2  # only the two questions left
+    finally:
+        live.close()
+    assert len(items[0].read_text().splitlines()) == 4

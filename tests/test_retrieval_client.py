@@ -124,7 +124,7 @@ def stopped_run(tmp_path: Path, logged: int, checkpoint: int | None, **settings:
     `checkpoint` before its service stayed down."""
     import argparse
 
-    from eviback.commands.train import resume_command, retrieval_stop_message
+    from eviback.commands.train import resume_command, stop_message
     from eviback.train.run import RunDir
 
     run = RunDir(tmp_path / "run")
@@ -138,7 +138,7 @@ def stopped_run(tmp_path: Path, logged: int, checkpoint: int | None, **settings:
                               output=str(run.root), resume=False)
     config = TrainConfig.from_settings(max_steps=10, **settings)
     error = RetrieverUnavailable("http://svc:8000", "ConnectError: [Errno 111] Connection refused", 33, 300.4)
-    return retrieval_stop_message(error, config, str(run.root), resume_command(args, str(run.root)))
+    return stop_message(error, config, str(run.root), resume_command(args, str(run.root)))
 
 
 def test_the_paragraph_names_the_service_the_error_what_is_redone_and_the_command(tmp_path):

@@ -101,6 +101,11 @@ KNOWN_NOISE: dict[str, Noise] = {
         logger="transformers.training_args", per_call=False,
         pattern=r"^torch\.distributed process group is initialized, but parallel_mode != ParallelMode\.DISTRIBUTED",
         why="vLLM's in-process engine opens a process group of one; the trainer of that one process needs no DDP"),
+    # httpx (the retrieval client, the policy server's backend)
+    "httpx-request": Noise(
+        logger="httpx", per_call=False, pattern=r"^HTTP Request: ",
+        why="httpx logs every request it makes at INFO, thousands a run against a retrieval service or a policy "
+            "server; a failed request is logged by eviback with its error"),
     # TRL
     "trl-rollout-func": Noise(
         category=UserWarning, pattern=r"You are using 'rollout_func', which is an experimental feature",

@@ -8,7 +8,8 @@
 Writes OUT/items.jsonl (one record per question: trajectory, answer, EM/F1/sub-EM, statistics),
 OUT/summary.json, OUT/summary.md (the table) and OUT/viewer.html. Rerunning the same command resumes:
 questions already in items.jsonl are skipped. A `/retrieve` service that stops answering is retried for
---retrieval-deadline-s seconds; past that the evaluation stops with exit code 75 and says so.
+--retrieval-deadline-s seconds; past that the evaluation stops with exit code 75 and says so, as it does at
+once when the policy server of `--backend vllm-server` stops answering.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from eviback.evaluate import EvalConfig, run_eval, summary_markdown
 from eviback.generation import BACKENDS
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.rollout import RolloutConfig
+from eviback.unavailable import ServiceUnavailable
 
 # Sleeping OpenMP threads (set before torch loads): on shared cores, spinning ones stall each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -98,14 +100,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = run_eval(config, overwrite=args.overwrite)
     except Exception as e:
-        unavailable = RetrieverUnavailable.found_in(e)
+        unavailable = ServiceUnavailable.found_in(e)
         if unavailable is None or getattr(args, "verbose", False):
             raise
-        print(f"eviback eval: the retrieval service at {unavailable.url} did not answer for "
-              f"{unavailable.waited_s:.0f} s ({unavailable.attempts} attempts; last error: {unavailable.last_error}), "
-              f"so the evaluation stopped. The questions already answered are kept in "
-              f"{config.out_dir() / 'items.jsonl'}: once the service answers again, rerun the same command to "
-              f"evaluate the rest (--retrieval-deadline-s waits longer, now {config.retrieval_deadline_s:g} s).",
+        patience = (f" (--retrieval-deadline-s waits longer, now {config.retrieval_deadline_s:g} s)"
+                    if isinstance(unavailable, RetrieverUnavailable) else "")
+        print(f"eviback eval: {unavailable.describe()}, so the evaluation stopped. The questions already answered "
+              f"are kept in {config.out_dir() / 'items.jsonl'}: once the {unavailable.service.removeprefix('the ')} "
+              f"answers again ({unavailable.restart()}), rerun the same command to evaluate the rest{patience}.",
               file=sys.stderr)
         return unavailable.exit_code
     out = config.out_dir()

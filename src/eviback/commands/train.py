@@ -14,7 +14,9 @@ distribution; each process rolls out and judges its own whole groups).
 With `retriever=http://...`, a retrieval service that stops answering (a restart, a reload) is waited for,
 retried with backoff, for `retrieval_deadline_s` seconds (default 300). Past that the run stops with one
 paragraph naming the service, its last error, what is redone and the `--resume` command that continues the
-run, and exit code 75 (`-v` shows the traceback).
+run, and exit code 75 (`-v` shows the traceback). With `backend=vllm-server`, a policy server that stops
+answering stops the run the same way at once (a restarted server holds other weights than the run's last
+push, so it is not waited for); `--resume` pushes the checkpoint's weights into the restarted server.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from eviback.train.config import TrainConfig, describe_fields, resolve_config
 from eviback.train.report_summary import summary_text
 from eviback.train.run import RunDir
 from eviback.train.runner import run_training
+from eviback.unavailable import ServiceUnavailable
 
 HELP = ("train with GRPO + teacher backoff (presets: eviback, grpo, dapo, f1-fallback, eviback-single-prompt, "
         "eviback-oracle, demo)")
@@ -55,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_training(config, output, resume=args.resume)
     except Exception as e:
-        unavailable = RetrieverUnavailable.found_in(e)
+        unavailable = ServiceUnavailable.found_in(e)
         if unavailable is None or getattr(args, "verbose", False):
             raise
-        print(retrieval_stop_message(unavailable, config, output, resume_command(args, output)), file=sys.stderr)
+        print(stop_message(unavailable, config, output, resume_command(args, output)), file=sys.stderr)
         return unavailable.exit_code
     if result.eval_summary is not None:
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
@@ -89,10 +92,10 @@ def resume_command(args: argparse.Namespace, output: str) -> str:
     return shlex.join(words)
 
 
-def retrieval_stop_message(error: RetrieverUnavailable, config: TrainConfig, output: str, command: str) -> str:
-    """One paragraph for a run stopped by a retrieval service that did not answer until the deadline: the
-    service, its last error, where the run stopped, what `--resume` redoes (the steps since the last
-    checkpoint) and `command`, which continues it."""
+def stop_message(error: ServiceUnavailable, config: TrainConfig, output: str, command: str) -> str:
+    """One paragraph for a run stopped by a service that stopped answering (the retrieval service, past its
+    deadline; the policy server): the service, its last error, where the run stopped, what `--resume` redoes
+    (the steps since the last checkpoint) and `command`, which continues it."""
     run = RunDir(output)
     logged = [m["step"] for m in run.read_metrics() if "step" in m]
     done = max(logged, default=0)
@@ -116,8 +119,13 @@ def retrieval_stop_message(error: RetrieverUnavailable, config: TrainConfig, out
                       f"{config.save_steps}): steps {checkpoint + 1}-{done + 1} are redone")
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     launch = f" (launched as before, {processes} processes)" if processes > 1 else ""
-    return (f"eviback train: the retrieval service at {error.url} did not answer for {error.waited_s:.0f} s "
-            f"({error.attempts} attempts; last error: {error.last_error}), so the run stopped {where}; {redone}. "
-            f"Once the service answers again (`eviback serve` listening at {error.url}), continue the run with "
-            f"`{command}`{launch}; `--set retrieval_deadline_s=SECONDS` (now {config.retrieval_deadline_s:g}) waits "
-            f"longer for a service that is slow to load its index.")
+    if isinstance(error, RetrieverUnavailable):
+        patience = (f"; `--set retrieval_deadline_s=SECONDS` (now {config.retrieval_deadline_s:g}) waits longer for a "
+                    "service that is slow to load its index")
+    else:
+        patience = (f", which pushes the run's weights into the restarted server before its first rollout; "
+                    f"`--set policy_timeout_s=SECONDS` (now {config.policy_timeout_s:g}) waits longer for a server "
+                    "that is only slow")
+    return (f"eviback train: {error.describe()}, so the run stopped {where}; {redone}. Once the "
+            f"{error.service.removeprefix('the ')} answers again ({error.restart()}), continue the run with "
+            f"`{command}`{launch}{patience}.")

@@ -50,6 +50,7 @@ import httpx
 from eviback.generation.base import Completion, FinishReason, SamplingConfig, iter_weights, request_caps
 from eviback.protocol import ANSWER_STOP, SEARCH_STOP
 from eviback.settings import check_fields
+from eviback.unavailable import ServiceUnavailable
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 NAME = "vllm-server"
 DEFAULT_PORT = 8002  # retrieval 8000 (Search-R1's port), the teacher 8001, the policy 8002
 DEFAULT_URL = f"http://localhost:{DEFAULT_PORT}"
+UNAVAILABLE_STATUS = frozenset({502, 503, 504})
 GROUP_PORT = 51216  # the NCCL rendezvous port of TRL's client (its default)
 LOGPROBS_MODE = "processed_logprobs"
 # The flags a training server needs, as `trl vllm-serve` sets them (TRL 1.16 runs `vllm serve` with them).
@@ -156,6 +158,29 @@ class ServerError(RuntimeError):
     """The policy server failed a request or cannot serve what is asked of it."""
 
 
+class PolicyServerUnavailable(ServerError, ServiceUnavailable):
+    """The policy server stopped answering in the middle of the work (connection refused or reset, no answer
+    within the timeout, 502-504). Not retried: a restarted server holds the weights it was started with, not the
+    ones last pushed, so rollouts sampled from it would not be on-policy. A training run stops instead, saying
+    how to continue with `--resume`, which pushes the checkpoint's weights into the restarted server before its
+    first rollout (`eviback train` exits 75)."""
+
+    service = "the policy server"
+
+    def __init__(self, url: str, last_error: str, hint: str = "") -> None:
+        self.url, self.last_error = url, last_error
+        super().__init__(f"the policy server at {url} stopped answering ({last_error})" + (f"; {hint}" if hint else ""))
+
+    def __reduce__(self) -> tuple[type[PolicyServerUnavailable], tuple[str, str]]:
+        return type(self), (self.url, self.last_error)
+
+    def reason(self) -> str:
+        return f"stopped answering (last error: {self.last_error})"
+
+    def restart(self) -> str:
+        return f"`eviback serve-policy` serving at {self.url}, started as before"
+
+
 class VllmServerBackend:
     """A :class:`~eviback.generation.base.GenerationBackend` whose engine is a `vllm serve` process.
 
@@ -179,7 +204,11 @@ class VllmServerBackend:
         self._seed = 0
         self._calls = 0
         self._weights: Any = None  # TRL's VLLMClient, once the first push has joined the NCCL group
-        self.info = self._read_info()
+        try:
+            self.info = self._read_info()
+        except PolicyServerUnavailable as e:  # at the start it never answered: say how to start one
+            # (from None: a refusal at the start, exit 2, not a run that stopped and can be resumed)
+            raise ServerError(f"no policy server answers at {e.url} ({e.last_error}); {start_help(e.url)}") from None
         self.max_context = self.info.max_model_len
         self._check_tokenizer()
         log.info("policy server %s: %s (%s), max_model_len %d%s", self.url, self.info.model, self.info.root,
@@ -208,15 +237,15 @@ class VllmServerBackend:
         try:
             return self._http.request(method, f"{self.url}{path}", **kwargs)
         except httpx.TimeoutException as e:
-            raise ServerError(f"the policy server at {self.url} did not answer {path} within "
-                              f"{self.config.timeout_s:g} s ({type(e).__name__}); raise policy_timeout_s if it is "
-                              "only slow") from e
+            raise PolicyServerUnavailable(self.url, f"no answer to {path} within {self.config.timeout_s:g} s, "
+                                          f"{type(e).__name__}", "raise policy_timeout_s if it is only slow") from e
         except httpx.TransportError as e:
-            raise ServerError(f"no policy server answers at {self.url} ({type(e).__name__}: {e}); "
-                              f"{start_help(self.url)}") from e
+            raise PolicyServerUnavailable(self.url, f"{type(e).__name__}: {e}", start_help(self.url)) from e
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._request(method, path, **kwargs)
+        if response.status_code in UNAVAILABLE_STATUS:  # a proxy in front of a stopped server, or shutting down
+            raise PolicyServerUnavailable(self.url, f"HTTP {response.status_code} from {path}")
         if response.status_code != 200:
             detail = response.text[:500]
             error = ValueError if response.status_code == 400 else ServerError
@@ -337,10 +366,23 @@ class VllmServerBackend:
                               f"on a CUDA GPU; they are on {device}. On a CPU, train with backend=vllm (in process)")
         target = getattr(torch, self.info.dtype, None) if self.info.dtype else None
         target = target if isinstance(target, torch.dtype) else None
-        client = self._weight_client(device)
         metadata = [(name, str(target or t.dtype).removeprefix("torch."), list(t.shape)) for name, t in pairs]
-        client.update_named_params(metadata, ((name, t.to(target) if target else t) for name, t in pairs))
-        client.reset_prefix_cache()
+        try:
+            client = self._weight_client(device)
+            client.update_named_params(metadata, ((name, t.to(target) if target else t) for name, t in pairs))
+            client.reset_prefix_cache()
+        except Exception as e:
+            if self.answers():
+                raise
+            self._weights = None  # its NCCL group went with the server
+            raise PolicyServerUnavailable(self.url, f"the weight push failed: {type(e).__name__}: {e}") from e
+
+    def answers(self) -> bool:
+        """Whether the server answers its `/health` now (one attempt, a few seconds)."""
+        try:
+            return self._http.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _weight_client(self, device: torch.device) -> Any:
         if self._weights is None:

@@ -27,6 +27,7 @@ import httpx
 from eviback.retrieval.base import live_queries
 from eviback.retrieval.config import ClientConfig
 from eviback.types import Passage
+from eviback.unavailable import ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,13 @@ class RetrievalError(RuntimeError):
     """The retrieval service refused the request, answered something unreadable, or did not answer."""
 
 
-class RetrieverUnavailable(RetrievalError):
+class RetrieverUnavailable(RetrievalError, ServiceUnavailable):
     """The service did not answer until the deadline: stopped, restarting, unreachable or overloaded.
 
     `url` is the service's, `last_error` the last attempt's failure, `attempts` how many were made in
     `waited_s` seconds. A caller that can continue later (a training run with `--resume`) says so."""
+
+    service = "the retrieval service"
 
     def __init__(self, url: str, last_error: str, attempts: int, waited_s: float) -> None:
         self.url, self.last_error, self.attempts, self.waited_s = url, last_error, attempts, waited_s
@@ -55,22 +58,11 @@ class RetrieverUnavailable(RetrievalError):
         # picklable with its fields (multiprocessing, torch elastic)
         return type(self), (self.url, self.last_error, self.attempts, self.waited_s)
 
-    # The exit status of a command it stops: sysexits' EX_TEMPFAIL, "try again later" (the same command, with
-    # --resume for a training run, continues once the service is back).
-    exit_code = 75
+    def reason(self) -> str:
+        return f"did not answer for {self.waited_s:.0f} s ({self.attempts} attempts; last error: {self.last_error})"
 
-    @classmethod
-    def found_in(cls, error: BaseException) -> RetrieverUnavailable | None:
-        """The RetrieverUnavailable that `error` is, or was raised from or during (through any exceptions
-        that wrap it), or None."""
-        seen: set[int] = set()
-        current: BaseException | None = error
-        while current is not None and id(current) not in seen:
-            if isinstance(current, cls):
-                return current
-            seen.add(id(current))
-            current = current.__cause__ or current.__context__
-        return None
+    def restart(self) -> str:
+        return f"`eviback serve` listening at {self.url}"
 
 
 def retry_delay(attempt: int, config: ClientConfig) -> float:

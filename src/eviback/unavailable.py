@@ -1,0 +1,45 @@
+"""A service a command depends on stopped answering: the retrieval service or the policy server.
+
+Both stop a command the same way: exit status 75 (sysexits' EX_TEMPFAIL, "try again later") and one paragraph
+that names the service, its last error and how to continue (`eviback train ... --resume`, or the same
+`eviback eval` command, once the service answers again). The commands find the error through whatever
+exceptions wrap it (:meth:`ServiceUnavailable.found_in`).
+"""
+
+from __future__ import annotations
+
+
+class ServiceUnavailable(RuntimeError):
+    """The base of the errors of a service that stopped answering; `url` is the service's."""
+
+    url: str
+    service = "the service"  # what the paragraphs call it: "the retrieval service", "the policy server"
+    # The exit status of a command it stops: the same command (with --resume for a training run) continues once
+    # the service is back.
+    exit_code = 75
+
+    def reason(self) -> str:
+        """What went wrong, after the service's name and URL: "did not answer for 300 s (...)"."""
+        raise NotImplementedError
+
+    def restart(self) -> str:
+        """How the service is brought back, in a few words (a command)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """`the <service> at <url> <reason>`: the opening of the commands' paragraphs."""
+        return f"{self.service} at {self.url} {self.reason()}"
+
+    @classmethod
+    def found_in(cls, error: BaseException) -> ServiceUnavailable | None:
+        """The error of this class that `error` is, or was raised from or during (through any exceptions that
+        wrap it, short of one raised `from None`), or None."""
+        seen: set[int] = set()
+        current: BaseException | None = error
+        while current is not None and id(current) not in seen:
+            if isinstance(current, cls):
+                return current
+            seen.add(id(current))
+            # an error raised `from None` hid its context on purpose (e.g. a refusal at the start)
+            current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+        return None
