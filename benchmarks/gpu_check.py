@@ -22,7 +22,9 @@ does. The parts, in the order they run by default (the most wanted first: a part
 - `generate`: the HF engine (`eviback.generation.hf.HFBackend`) on 256 rollouts of a Search-R1-sized prompt
   (512 tokens) x 256 sampled tokens at 0.6B and 1.7B, in variants given as keyword-argument dicts
   (`--variants`), against the HBM bound of decoding (weights + KV cache read once per step, at the copy
-  bandwidth measured in the same run);
+  bandwidth measured in the same run), and where a decoding step's time goes (torch's profiler over one more
+  short call per variant, `--profile-steps`: the share of the step the GPU was busy, kernels per step, the
+  costliest operators), which says whether the step waits on the CPU;
 - `generate-server`: where vLLM is installed, the same prompts through `backend=vllm-server` (a `vllm serve` of
   the 0.6B policy started by `eviback serve-policy`, TRL's server mode), and on a GPU the NCCL weight push,
   checked by its effect (other weights change the greedy output, the served ones pushed back restore it);
@@ -67,7 +69,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eviback.vllm_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("peaks", "update", "train", "train-4b", "generate", "generate-server", "eval")  # the most wanted first
@@ -355,13 +360,15 @@ def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
                 sync(device)
                 seconds = time.perf_counter() - t
                 generated = sum(len(c.token_ids) for c in out)
+                profile = profile_decoding(backend, prompts, ctx["profile_steps"], device)
                 rows[name] = {"options": options, "tokens_per_s": round(generated / seconds),
                               "seconds": round(seconds, 2), "warm_up_s": round(warm_s, 2), "generated": generated,
                               "ms_per_step": round(seconds / sizes.gen_tokens * 1000, 1),
                               "bound_share": gpu_only(ctx, round(generated / seconds / bound, 3) if bound else None),
                               "peak_gb": peak_gb(device),
                               "resolved": {k: getattr(backend, k, None) for k in
-                                           ("cache", "grouped_attention", "compile", "batch_size")}}
+                                           ("cache", "grouped_attention", "compile", "batch_size")},
+                              "profile": profile}
             except Exception as e:  # a variant that fails is a result, not the end of the check
                 rows[name] = {"options": options, "error": f"{type(e).__name__}: {e}"[:500]}
             progress(f"generate {shape} {name}: {rows[name]}")
@@ -377,11 +384,48 @@ def part_generate(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     return results
 
 
-def start_policy_server(ctx: dict[str, Any], path: Path, sizes: Sizes, cuda: bool) -> tuple[subprocess.Popen, str]:
-    """`eviback serve-policy` of `path` as a user starts it (its log in OUT/serve-policy.log), answering."""
-    import httpx
+def profile_decoding(backend, prompts: list[list[int]], steps: int, device: str) -> dict[str, Any] | None:
+    """Where a decoding step's time goes, from torch's profiler over one call of `steps` sampled tokens (its
+    prefill included, a small share at 24 steps and more): the wall time per step, the share of it the GPU was
+    busy running kernels, kernel launches per step, and the operators that took the most device time (on a GPU)
+    or CPU time. A busy share far below 1 means the step waits on the CPU (launching kernels one by one, Python,
+    synchronisation), which CUDA graphs or vLLM remove; near 1, the kernels themselves bound it. None: not asked
+    (--profile-steps 0)."""
+    if steps <= 0:
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
+    from eviback.generation.base import SamplingConfig
+
+    cuda = device.startswith("cuda")
+    params = SamplingConfig(max_tokens=steps, min_tokens=steps, temperature=1.0, stop=())
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        t = time.perf_counter()
+        backend.generate(prompts, params)
+        sync(device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+
+    def device_us(event) -> float:
+        return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
+
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    busy_us = sum(device_us(e) for e in kernels)
+    key = device_us if cuda else (lambda e: float(e.self_cpu_time_total))
+    top = sorted((e for e in events if key(e) > 0), key=key, reverse=True)[:8]
+    return {"steps": steps, "ms_per_step": round(wall / steps * 1000, 2),
+            "device_busy_share": round(busy_us / 1e6 / wall, 3) if cuda else None,
+            "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1) if cuda else None,
+            "top": [{"op": e.key[:80], "calls_per_step": round(e.count / steps, 1),
+                     "ms_per_step": round(key(e) / 1000 / steps, 3)} for e in top],
+            "ranked_by": "self device time" if cuda else "self CPU time"}
+
+
+def start_policy_server(ctx: dict[str, Any], path: Path, sizes: Sizes, cuda: bool) -> ServerProcess:
+    """`eviback serve-policy` of `path` as a user starts it (its log in OUT/serve-policy.log), answering."""
     from eviback.teacher.vllm_server import free_port
+    from eviback.vllm_process import ServerProcess
 
     port = free_port()
     length = max(256, sizes.gen_prompt + sizes.gen_tokens + 64)  # vLLM's CPU blocks hold 128 tokens
@@ -392,37 +436,10 @@ def start_policy_server(ctx: dict[str, Any], path: Path, sizes: Sizes, cuda: boo
         vllm_args += " -O0"
     argv = eviback("serve-policy", str(path), "--host", "127.0.0.1", "--port", str(port), "--vllm-args", vllm_args,
                    *([] if cuda else ["--generation-only"]))  # vLLM's CPU build has no NCCL weight transfer
-    env = dict(ctx["env"], VLLM_CPU_KVCACHE_SPACE="1")
-    log_path = ctx["out"] / "serve-policy.log"
     progress(f"serve-policy: {shlex.join(['eviback', *argv[3:]])}")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ctx["cwd"],
-                                  start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ctx["timeout"]
-    while True:
-        if server.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise RuntimeError(f"vllm serve exited {server.returncode}:\n{tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop_process(server)
-            raise RuntimeError(f"vllm serve did not answer within {ctx['timeout']:.0f} s (--timeout-s)")
-        time.sleep(1)
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    server = ServerProcess(argv, f"http://127.0.0.1:{port}", env=dict(ctx["env"], VLLM_CPU_KVCACHE_SPACE="1"),
+                           log_path=ctx["out"] / "serve-policy.log", startup_timeout_s=ctx["timeout"], cwd=ctx["cwd"])
+    return server.start()
 
 
 def part_generate_server(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
@@ -445,11 +462,11 @@ def part_generate_server(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     path = write_policy(shape, ctx["work"], tokenizer, device)
     config = AutoConfig.from_pretrained(path)
     t = time.perf_counter()
-    server, url = start_policy_server(ctx, path, sizes, cuda)
+    server = start_policy_server(ctx, path, sizes, cuda)
     result: dict[str, Any] = {"model": shape, "start_s": round(time.perf_counter() - t, 1)}
     backend = None
     try:
-        backend = VllmServerBackend(tokenizer, ServerConfig(url=url, concurrency=sizes.gen_rollouts))
+        backend = VllmServerBackend(tokenizer, ServerConfig(url=server.url, concurrency=sizes.gen_rollouts))
         generator = torch.Generator().manual_seed(0)
         prompts = torch.randint(100, len(tokenizer), (sizes.gen_rollouts, sizes.gen_prompt),
                                 generator=generator).tolist()
@@ -472,7 +489,7 @@ def part_generate_server(ctx: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     finally:
         if backend is not None:
             backend.close()
-        stop_process(server)
+        server.stop(timeout_s=60)
     return result
 
 
@@ -817,6 +834,24 @@ def off_gpu(run: dict[str, Any]) -> str:
     return ", ".join(f"{a['what']} ({a['device']})" for a in away) if away else "none"
 
 
+def profile_lines(generate: dict[str, Any]) -> list[str]:
+    """The generate part's profiles: where a decoding step's time went, per model and variant."""
+    rows = [(shape, name, v["profile"]) for shape, r in generate.items() for name, v in r["variants"].items()
+            if isinstance(v.get("profile"), dict)]
+    if not rows:
+        return []
+    lines = [f"Where a decoding step's time went (torch's profiler over one more call of {rows[0][2]['steps']} "
+             "sampled tokens, prefill included; a GPU busy share far below 1: the step waits on the CPU, which CUDA "
+             "graphs or vLLM remove):", "",
+             "| model | variant | ms/step (profiled) | GPU busy share | kernels/step | top operators (ms/step) |",
+             "|---|---|---|---|---|---|"]
+    for shape, name, p in rows:
+        top = "; ".join(f"{cell(t['op'], 40)} {t['ms_per_step']}" for t in p["top"][:4])
+        lines.append(f"| {shape} | {name} | {p['ms_per_step']} | {p['device_busy_share'] if p['device_busy_share'] is not None else '-'} "
+                     f"| {p['kernels_per_step'] if p['kernels_per_step'] is not None else '-'} | {top} ({p['ranked_by']}) |")
+    return [*lines, ""]
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The summary a reader looks at: one table per part, every figure with what it is read against."""
     m, parts, models = report["machine"], report["parts"], report["models"]
@@ -860,6 +895,7 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {shape} | {name} ({resolved(v)}) | {r['rollouts']} x {r['prompt_tokens']} + "
                              f"{r['sampled_tokens']} | {v['tokens_per_s']:,} | {v['ms_per_step']} | {share} | {v['peak_gb']} |")
         lines.append("")
+        lines += profile_lines(parts["generate"])
     if ran(parts, "generate-server"):
         r = parts["generate-server"]
         share = f"{r['bound_share']:.2f}" if r.get("bound_share") is not None else "-"
@@ -991,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default=",".join(PRESETS), help="the training runs of the train part")
     parser.add_argument("--variants", help="JSON list of HFBackend keyword-argument dicts for the generate part "
                                            f"(default: {json.dumps(list(VARIANTS))})")
+    parser.add_argument("--profile-steps", type=int, default=None,
+                        help="the generate part profiles one more call of this many sampled tokens per variant: "
+                             "where a decoding step's time goes (default: 24; --tiny: 4; 0: no profile)")
     parser.add_argument("--compile", action="store_true", help=f"also time the variant {json.dumps(COMPILED)}")
     parser.add_argument("--prepare-offline", metavar="DIR", help="save the tokenizers for an offline machine and exit")
     args = parser.parse_args(argv)
@@ -1042,6 +1081,8 @@ def main(argv: list[str] | None = None) -> int:
                            "cwd": str(work), "args": args, "tokenizer": tokenizer, "failed": [],
                            "budget": args.budget_s if args.budget_s is not None or args.tiny else 450.0,
                            "timeout": args.timeout_s, "variants": variants, "presets": presets,
+                           "profile_steps": args.profile_steps if args.profile_steps is not None else
+                           4 if args.tiny else 24,
                            "peak_tflops": None, "bandwidth_gbs": None}
     functions = {"peaks": part_peaks, "generate": part_generate, "generate-server": part_generate_server,
                  "update": part_update, "eval": part_eval, "train": part_train, "train-4b": part_train_4b}

@@ -62,6 +62,9 @@ def test_tiny_check_runs_every_part_and_reports_it(tmp_path):
     assert [v["options"] for v in generate["variants"].values()] == [{}, {"grouped_attention": False, "cache": "dynamic"}]
     for variant in generate["variants"].values():
         assert variant["tokens_per_s"] > 0 and variant["generated"] == 4 * 8 and variant["bound_share"] is None
+        profile = variant["profile"]  # where a step's time goes; on the CPU no GPU share, ops ranked by CPU time
+        assert profile["steps"] == 4 and profile["ms_per_step"] > 0 and profile["device_busy_share"] is None
+        assert profile["ranked_by"] == "self CPU time" and profile["top"] and profile["top"][0]["ms_per_step"] > 0
 
     server = parts["generate-server"]  # a real `vllm serve` of the tiny policy, started by `eviback serve-policy`
     assert server["generated"] == 4 * 8 and server["tokens_per_s"] > 0 and server["bound_share"] is None
@@ -80,7 +83,8 @@ def test_tiny_check_runs_every_part_and_reports_it(tmp_path):
     assert parts["train-4b"]["steps"] == 1
 
     markdown = (out / "gpu.md").read_text()
-    for text in ("Ceilings measured in this run", "## Update", "## Generation", "through a policy server",
+    for text in ("Ceilings measured in this run", "## Update", "## Generation", "Where a decoding step's time went",
+                 "through a policy server",
                  "Runs as a user runs them",
                  "train eviback", "train 4B shape", "49,152"):
         assert text in markdown, text

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from eviback.generation import SamplingConfig
 from eviback.generation.base import FinishReason, stop_cut
 from eviback.generation.server import ServerConfig, ServerError, VllmServerBackend
 from eviback.protocol import apply_chat_template
+from eviback.vllm_process import ServerProcess
 from test_retrieval_service import free_port
 
 pytestmark = pytest.mark.slow  # a real vLLM server: about a minute to start on 2 cores
@@ -30,35 +28,12 @@ def server_url(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("policy-server") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "eviback.cli", "serve-policy", "smollm2-135m", "--host", "127.0.0.1", "--port",
-             str(port), "--generation-only", "--vllm-args", "--max-model-len 2048 --max-num-seqs 16 -O0"],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not answer within 600 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    argv = [sys.executable, "-m", "eviback.cli", "serve-policy", "smollm2-135m", "--host", "127.0.0.1", "--port",
+            str(port), "--generation-only", "--vllm-args", "--max-model-len 2048 --max-num-seqs 16 -O0"]
+    with ServerProcess(argv, f"http://127.0.0.1:{port}", env=env, log_path=log) as server:
         # the command it runs, printed before the server's own lines
         assert any(line.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve ") for line in log.read_text().splitlines())
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        yield server.url
 
 
 @pytest.fixture(scope="module")

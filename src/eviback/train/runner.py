@@ -43,6 +43,7 @@ from eviback.teacher.evidence_judge import judge_policy
 from eviback.teacher.extractive import with_max_words
 from eviback.train.config import TrainConfig
 from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge, check_stage_a, stage_a_record
+from eviback.train.launch import check_launch
 from eviback.train.memory import rollout_kv_cache_gib
 from eviback.train.plots import write_report
 from eviback.train.run import RunDir
@@ -281,6 +282,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     """One run, in one process or several (torchrun / accelerate launch): every process rolls out, judges
     and trains on its own whole groups; the main process alone writes the run directory, saves the final
     policy and evaluates it. The teacher is closed however training ends."""
+    check_launch()  # FSDP / ZeRO-3 would shard the weights the generation engine is refreshed from
     teacher_record = check_teacher(config)  # a leaky policy is refused before anything is written
     # a policy server that cannot serve the run (down, wrong flags, another tokenizer, a CPU trainer) is refused
     # before anything is written
