@@ -206,11 +206,11 @@ class VllmServerBackend:
         self._weights: Any = None  # TRL's VLLMClient, once the first push has joined the NCCL group
         try:
             self.info = self._read_info()
+            self.max_context = self.info.max_model_len
+            self._check_tokenizer()
         except PolicyServerUnavailable as e:  # at the start it never answered: say how to start one
             # (from None: a refusal at the start, exit 2, not a run that stopped and can be resumed)
             raise ServerError(f"no policy server answers at {e.url} ({e.last_error}); {start_help(e.url)}") from None
-        self.max_context = self.info.max_model_len
-        self._check_tokenizer()
         log.info("policy server %s: %s (%s), max_model_len %d%s", self.url, self.info.model, self.info.root,
                  self.max_context, "" if self.info.dev_mode else ", no dev mode (generation only)")
 

@@ -42,7 +42,8 @@ def check_launch(environ: Mapping[str, str] | None = None) -> None:
             "refreshes its generation engine from the trainer's parameters after every step and does not gather "
             "shards, so it would generate from slices of the weights. Launch with DeepSpeed ZeRO-2 instead "
             "(`accelerate launch --use_deepspeed --zero_stage 2 -m eviback.cli train ...`: the gradients and AdamW "
-            "state are sharded, the weights stay whole), or with plain data parallelism")
+            "state are sharded, the weights stay whole; DeepSpeed is not part of eviback's setup: `pip install "
+            "deepspeed`), or with plain data parallelism")
 
 
 def _true(value: str | None) -> bool:
