@@ -440,7 +440,8 @@ def start_policy_server(ctx: dict[str, Any], path: Path, sizes: Sizes, cuda: boo
                    *([] if cuda else ["--generation-only"]))  # vLLM's CPU build has no NCCL weight transfer
     progress(f"serve-policy: {shlex.join(['eviback', *argv[3:]])}")
     server = ServerProcess(argv, f"http://127.0.0.1:{port}", env=dict(ctx["env"], VLLM_CPU_KVCACHE_SPACE="1"),
-                           log_path=ctx["out"] / "serve-policy.log", startup_timeout_s=ctx["timeout"], cwd=ctx["cwd"])
+                           log_path=ctx["out"] / "serve-policy.log", startup_timeout_s=ctx["timeout"], cwd=ctx["cwd"],
+                           name="eviback serve-policy")
     return server.start()
 
 

@@ -30,7 +30,7 @@ def server_url(tmp_path_factory):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "eviback.cli", "serve-policy", "smollm2-135m", "--host", "127.0.0.1", "--port",
             str(port), "--generation-only", "--vllm-args", "--max-model-len 2048 --max-num-seqs 16 -O0"]
-    with ServerProcess(argv, f"http://127.0.0.1:{port}", env=env, log_path=log) as server:
+    with ServerProcess(argv, f"http://127.0.0.1:{port}", env=env, log_path=log, name="eviback serve-policy") as server:
         # the command it runs, printed before the server's own lines
         assert any(line.startswith("VLLM_SERVER_DEV_MODE=1 vllm serve ") for line in log.read_text().splitlines())
         yield server.url

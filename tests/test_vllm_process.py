@@ -61,8 +61,8 @@ def test_it_waits_for_the_answer_and_stops_the_whole_process_group(tmp_path):
 
 def test_a_server_that_exits_while_starting_shows_the_end_of_its_log(tmp_path):
     server = ServerProcess([sys.executable, "-c", "print('no GPU found'); raise SystemExit(3)"],
-                           f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "server.log")
-    with pytest.raises(RuntimeError, match=r"exited with code 3 while starting:\nno GPU found"):
+                           f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "server.log", name="the policy server")
+    with pytest.raises(RuntimeError, match=r"^the policy server exited with code 3 while starting:\nno GPU found"):
         server.start()
 
 

@@ -55,17 +55,18 @@ class ServerProcess:
         startup_timeout_s: how long :meth:`start` waits for an answer before it stops the process.
         cwd: its working directory.
         ready_path: the path that answers 200 once it serves (vLLM's `/health`).
+        name: what its errors call it ("the teacher's vLLM server").
     """
 
     def __init__(self, argv: Sequence[str], url: str, *, env: Mapping[str, str] | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 600.0, cwd: str | Path | None = None,
-                 ready_path: str = "/health") -> None:
+                 ready_path: str = "/health", name: str = "the server") -> None:
         if not argv:
             raise ValueError("argv must be a command")
         if not 0 < startup_timeout_s < math.inf:
             raise ValueError(f"startup_timeout_s must be > 0 seconds, got {startup_timeout_s}")
         self.argv, self.url = list(argv), url.rstrip("/")
-        self.env, self.cwd, self.ready_path = env, cwd, ready_path
+        self.env, self.cwd, self.ready_path, self.name = env, cwd, ready_path, name
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
@@ -90,14 +91,13 @@ class ServerProcess:
         while True:
             if self.process.poll() is not None:
                 code = self.process.returncode
-                raise RuntimeError(f"the server ({self.argv[0]} ... {self.argv[-1]}) exited with code {code} while "
-                                   f"starting:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with code {code} while starting:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}{self.ready_path}", timeout=2.0).status_code == 200:
                     return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"the server did not answer {self.url}{self.ready_path} within "
+                raise TimeoutError(f"{self.name} did not answer {self.url}{self.ready_path} within "
                                    f"{self.startup_timeout_s:g} s:\n{self.log_tail()}")
             time.sleep(1.0)
 

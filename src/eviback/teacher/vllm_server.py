@@ -88,7 +88,8 @@ class VllmServer:
         c = self.config
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_gib))
         self._server = ServerProcess(vllm_argv(self.command()), f"http://127.0.0.1:{self.port}", env=env,
-                                     log_path=c.log_path or None, startup_timeout_s=c.startup_timeout_s)
+                                     log_path=c.log_path or None, startup_timeout_s=c.startup_timeout_s,
+                                     name="the teacher's vLLM server")
         self._server.start()
         return self
 
