@@ -19,7 +19,8 @@ ROOT = Path(eviback.__file__).parent
 # protocol and records at the bottom; the engines, retrieval and the teacher in the middle; training, E2E-APE,
 # experiments and the command line on top.)
 LAYERS = (
-    {"types", "metrics", "protocol", "data", "queries", "cache", "settings", "dtype", "device", "templates", "log_format", "stats"},
+    {"types", "metrics", "protocol", "data", "queries", "cache", "settings", "dtype", "device", "templates", "log_format", "stats",
+     "unavailable", "vllm_process"},
     {"policy", "retrieval", "generation", "backoff"},
     {"rollout", "teacher", "evaluate", "viewer"},
     {"train", "ape"},
