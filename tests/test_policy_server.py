@@ -398,3 +398,35 @@ def test_eviback_eval_stopped_by_its_policy_server_keeps_the_answers_and_resumes
     finally:
         live.close()
     assert len(items[0].read_text().splitlines()) == 4
+
+
+def test_a_shared_engine_is_pushed_by_the_main_process_alone_and_the_others_wait():
+    """`push_weights`, as the runner (the starting policy) and the trainer (after each step) call it: a policy
+    server serves every process, so only the main one pushes; every process waits at the barrier. A process's
+    own engine is pushed by each process."""
+    import torch
+
+    from eviback.generation.base import push_weights
+
+    class Engine:
+        def __init__(self, shared: bool) -> None:
+            self.shared, self.pushes = shared, []
+
+        def update_weights(self, weights) -> None:
+            self.pushes.append(dict(weights))
+
+    class Processes:
+        def __init__(self, main: bool) -> None:
+            self.is_main_process, self.waits = main, 0
+
+        def wait_for_everyone(self) -> None:
+            self.waits += 1
+
+    model = torch.nn.Linear(2, 2)
+    for main, pushes in ((True, 1), (False, 0)):
+        engine, processes = Engine(shared=True), Processes(main)
+        push_weights(engine, model, processes)
+        assert len(engine.pushes) == pushes and processes.waits == 1
+    engine, processes = Engine(shared=False), Processes(main=False)
+    push_weights(engine, model, processes)
+    assert list(engine.pushes[0]) == ["weight", "bias"] and processes.waits == 0

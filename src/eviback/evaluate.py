@@ -509,18 +509,18 @@ def run_eval(
         engine = RolloutEngine(backend, retriever, config.rollout)
         started = time.perf_counter()
         throughput = Throughput()
+        batch_size = eval_batch_size(config)
         with tqdm(total=len(pending), desc="eval", unit="q", disable=not config.progress) as bar:
             def on_batch(new: list[EvalItem]) -> None:
                 _append_items(items_path, new)
                 bar.update(len(new))
 
             # Longer questions together would pad less, but input order keeps resume and logs simple.
-            evaluate_tasks(engine, pending, batch_size=eval_batch_size(config), on_batch=on_batch,
-                           throughput=throughput)
+            evaluate_tasks(engine, pending, batch_size=batch_size, on_batch=on_batch, throughput=throughput)
         log.info("evaluated %d questions in %.0f s: %s", len(pending), time.perf_counter() - started,
                  throughput.line())
         _write_atomic(out / THROUGHPUT_FILE, json.dumps({**throughput.to_dict(), "backend": config.backend,
-                                                         "batch_size": eval_batch_size(config)}, indent=2) + "\n")
+                                                         "batch_size": batch_size}, indent=2) + "\n")
         if own_retriever:
             retriever.close()
     _write_atomic(out / PLACEMENTS_FILE, json.dumps(

@@ -20,7 +20,7 @@ import enum
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from eviback.protocol import STOP_STRINGS
 from eviback.settings import check_fields
@@ -196,6 +196,19 @@ def wake_backend(backend: object) -> None:
     wake = getattr(backend, "wake", None)
     if callable(wake):
         wake()
+
+
+def push_weights(backend: object, model: Any, processes: Any) -> None:
+    """Push `model`'s parameters into `backend`. One engine shared by every process (`backend.shared`: a policy
+    server) is pushed by the main process alone while the others wait; a process's own engine is pushed by
+    that process. `processes`: accelerate's Accelerator or PartialState (`is_main_process`,
+    `wait_for_everyone`)."""
+    if getattr(backend, "shared", False):
+        if processes.is_main_process:
+            backend.update_weights(model.named_parameters())  # type: ignore[attr-defined]
+        processes.wait_for_everyone()
+    else:
+        backend.update_weights(model.named_parameters())  # type: ignore[attr-defined]
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:

@@ -288,7 +288,7 @@ class TrainConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == VLLM_SERVER:
-            ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)  # checks both
+            self.server_config()  # checks the URL and the timeout
         rollout = self.rollout
         if rollout.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {rollout.group_size}")
@@ -325,6 +325,10 @@ class TrainConfig:
                              f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
         dtypes.check(self.dtype, allowed=dtypes.TRAINING_DTYPES)
         devices.check_device(self.device)
+
+    def server_config(self) -> ServerConfig:
+        """How to reach the policy server (backend=vllm-server)."""
+        return ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any] | None = None, /, **settings: Any) -> TrainConfig:

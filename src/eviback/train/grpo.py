@@ -47,7 +47,7 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 
 from eviback.backoff import BackoffConfig, GroupAdvantages, Mode, group_advantages, needs_teacher
-from eviback.generation.base import sleep_backend, wake_backend
+from eviback.generation.base import push_weights, sleep_backend, wake_backend
 from eviback.metrics import exact_match, f1_score
 from eviback.protocol import build_prompt
 from eviback.rollout import RolloutBatch, RolloutEngine
@@ -158,13 +158,8 @@ class EviBackTrainer(FastScoring, MasterWeights):
             return
         t0 = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
-        if getattr(self.engine.backend, "shared", False):
-            # one engine serves every process (a policy server): the main process pushes, the others wait for it
-            if self.accelerator.is_main_process:
-                self.engine.backend.update_weights(model.named_parameters())
-            self.accelerator.wait_for_everyone()
-        else:
-            self.engine.backend.update_weights(model.named_parameters())
+        # a policy server shared by every process is pushed by the main process, the others waiting for it
+        push_weights(self.engine.backend, model, self.accelerator)
         self._weights_step = self.state.global_step
         self._generation.sync_s = time.perf_counter() - t0
 

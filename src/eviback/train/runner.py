@@ -30,8 +30,8 @@ from eviback.data import load_suite, read_training_questions
 from eviback.device import Placement, off_device, pin_trainer, place, placements, record
 from eviback.evaluate import EvalConfig, EvalSummary, comparison_html, run_eval
 from eviback.generation import VLLM_SERVER, BackendConfig, load_backend
-from eviback.generation.base import GenerationBackend, sleep_backend
-from eviback.generation.server import ServerConfig, VllmServerBackend
+from eviback.generation.base import GenerationBackend, push_weights, sleep_backend
+from eviback.generation.server import VllmServerBackend
 from eviback.log_format import configure_logging, quiet
 from eviback.policy import load_tokenizer, resolve_model
 from eviback.retrieval import ClientConfig, open_retriever
@@ -386,9 +386,7 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
                                                    max_model_len=max(2048, rollout.max_context_tokens),
                                                    kv_cache_gib=kv_cache))
     if server is not None:  # the server holds the model it was started with: the run's starting policy goes in
-        if main:
-            server.update_weights(model.named_parameters())
-        start.state.wait_for_everyone()
+        push_weights(server, model, start.state)
     engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
     return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
                     engine)
@@ -403,8 +401,7 @@ def connect_policy_server(config: TrainConfig) -> VllmServerBackend:
         raise ValueError("backend=vllm-server pushes the trainer's weights into the server over NCCL, which needs "
                          f"the trainer on a CUDA GPU; this run computes on {placement.device}. On a CPU, train "
                          "with backend=vllm (in this process) or hf")
-    return VllmServerBackend.connect(config.model, ServerConfig(url=config.policy_url, timeout_s=config.policy_timeout_s),
-                                     config.dtype, training=True)
+    return VllmServerBackend.connect(config.model, config.server_config(), config.dtype, training=True)
 
 
 def engine_rollout_config(config: TrainConfig, backend_max_context: int) -> RolloutConfig:
