@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from eviback.evaluate import EvalConfig
 from eviback.generation import BackendConfig, FinishReason, SamplingConfig
 from eviback.generation.server import (
     LOGPROBS_MODE,
@@ -191,6 +192,8 @@ def test_settings_are_checked_before_any_connection():
         BackendConfig(backend="vllm-server", policy_url="localhost:8002")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         BackendConfig(backend="vllm-server", policy_timeout_s=0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        EvalConfig(backend="vllm-server", policy_timeout_s=-1)
     with pytest.raises(ValueError, match="concurrency"):
         ServerConfig(concurrency=0)
 
@@ -382,13 +385,14 @@ def test_eviback_eval_stopped_by_its_policy_server_keeps_the_answers_and_resumes
     command = ["eval", "--backend", "vllm-server", "--benchmarks", "nq", "--limit", "4", "--batch-size", "2",
                "--out", str(out), "--no-progress"]
     try:
-        code = main([*command, "--policy-url", dying.url])
+        code = main([*command, "--policy-url", dying.url, "--policy-timeout-s", "30"])
     finally:
         dying.close()
     err = capsys.readouterr().err
     assert code == 75 and "Traceback" not in err, err[-3000:]
     assert f"eviback eval: the policy server at {dying.url} stopped answering (last error: RemoteProtocolError" in err
     assert "once the policy server answers again (`eviback serve-policy` serving at" in err
+    assert "(--policy-timeout-s waits longer for a server that is only slow, now 30 s)" in err
     items = list((out).rglob("items.jsonl"))
     assert len(items) == 1 and len(items[0].read_text().splitlines()) == 2
     live = _DyingServer(FakeServer(tokenizer, complete=answers), completions=100)
@@ -398,6 +402,15 @@ def test_eviback_eval_stopped_by_its_policy_server_keeps_the_answers_and_resumes
     finally:
         live.close()
     assert len(items[0].read_text().splitlines()) == 4
+
+
+def test_eval_hands_its_timeout_to_the_server_client(monkeypatch):
+    import eviback.evaluate as evaluate
+
+    seen = []
+    monkeypatch.setattr(evaluate, "load_backend", lambda config: seen.append(config) or object())
+    evaluate._load_backend(EvalConfig(backend="vllm-server", policy_url="http://gpu7:8002", policy_timeout_s=42))
+    assert seen[0].server_config() == ServerConfig(url="http://gpu7:8002", timeout_s=42)
 
 
 def test_a_shared_engine_is_pushed_by_the_main_process_alone_and_the_others_wait():

@@ -352,6 +352,8 @@ class EvalConfig:
     backend: str = field(default="vllm", metadata={"help": "vllm, hf, or vllm-server (the policy served at policy_url; "
                          "model names it, for its tokenizer)", "identity": True})
     policy_url: str = field(default=SERVER_URL, metadata={"help": "backend vllm-server: the policy server's base URL"})
+    policy_timeout_s: float = field(default=600.0, metadata={"help": "backend vllm-server: seconds one generation "
+                                    "request may take before the evaluation stops (its answers so far are kept)"})
     rollout: RolloutConfig = field(default_factory=greedy, metadata={
         "help": f"turn and token limits (RolloutConfig; max_turns {EVAL_MAX_TURNS} by default); its sampling "
                 "settings are always greedy's"})
@@ -368,7 +370,7 @@ class EvalConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == VLLM_SERVER:
-            ServerConfig(url=self.policy_url)  # checks it
+            self.server_config()  # checks the URL and the timeout
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 (or None: the default), got {self.kv_cache_gib}")
         if self.threads is not None and self.threads < 1:
@@ -384,6 +386,10 @@ class EvalConfig:
         devices.check_device(self.device)
         # what runs is recorded: a rollout given with sampling settings is evaluated (and saved) as greedy
         object.__setattr__(self, "rollout", greedy(self.rollout))
+
+    def server_config(self) -> ServerConfig:
+        """How to reach the policy server (backend vllm-server)."""
+        return ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)
 
     def out_dir(self) -> Path:
         if self.out:
@@ -540,7 +546,7 @@ def _load_backend(config: EvalConfig) -> GenerationBackend:
     backend = load_backend(BackendConfig(
         backend=config.backend, model=config.model, dtype=config.dtype, device=config.device,
         max_model_len=max(4096, config.rollout.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
-        policy_url=config.policy_url,
+        policy_url=config.policy_url, policy_timeout_s=config.policy_timeout_s,
     ))
     if isinstance(backend, VllmServerBackend) and backend.info.root != resolve_model(config.model, config.dtype):
         log.warning("the policy server at %s serves %s, and this evaluation names %s: the results are the served "

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "process serves at --policy-url (`eviback serve-policy`), --model naming it")
     model.add_argument("--policy-url", default=defaults.policy_url,
                        help="--backend vllm-server: the policy server's base URL (default: %(default)s)")
+    model.add_argument("--policy-timeout-s", type=float, default=defaults.policy_timeout_s,
+                       help="--backend vllm-server: seconds one generation request may take before the evaluation "
+                            "stops, keeping its answers so far (default: %(default)s)")
     model.add_argument("--kv-cache-gib", type=float, help="vLLM on CPU: KV cache size in GiB (default 2)")
     model.add_argument("--threads", type=int, help="torch threads")
     rollout = parser.add_argument_group("rollout")
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         policy_url=args.policy_url,
+        policy_timeout_s=args.policy_timeout_s,
         rollout=RolloutConfig(topk=args.topk, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                               max_observation_tokens=args.max_observation_tokens,
                               max_context_tokens=args.max_context_tokens),
@@ -103,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         unavailable = ServiceUnavailable.found_in(e)
         if unavailable is None or getattr(args, "verbose", False):
             raise
-        patience = (f" (--retrieval-deadline-s waits longer, now {config.retrieval_deadline_s:g} s)"
-                    if isinstance(unavailable, RetrieverUnavailable) else "")
+        if isinstance(unavailable, RetrieverUnavailable):
+            patience = f" (--retrieval-deadline-s waits longer, now {config.retrieval_deadline_s:g} s)"
+        else:
+            patience = f" (--policy-timeout-s waits longer for a server that is only slow, now {config.policy_timeout_s:g} s)"
         print(f"eviback eval: {unavailable.describe()}, so the evaluation stopped. The questions already answered "
               f"are kept in {config.out_dir() / 'items.jsonl'}: once the {unavailable.service.removeprefix('the ')} "
               f"answers again ({unavailable.restart()}), rerun the same command to evaluate the rest{patience}.",
