@@ -20,7 +20,7 @@ ROOT = Path(eviback.__file__).parent
 # experiments and the command line on top.)
 LAYERS = (
     {"types", "metrics", "protocol", "data", "queries", "cache", "settings", "dtype", "device", "templates", "log_format", "stats",
-     "unavailable", "vllm_process"},
+     "unavailable", "vllm_process", "disk"},
     {"policy", "retrieval", "generation", "backoff"},
     {"rollout", "teacher", "evaluate", "viewer"},
     {"train", "ape"},

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
+from eviback.disk import DISK_FULL_EXIT, full_disk_error
 from eviback.log_format import configure_logging
 
 # name -> module under eviback.commands; the order is the order of `eviback --help`
@@ -77,6 +78,13 @@ def _run(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespa
             raise
         print(f"eviback {name}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk is not a bug: said in one line (eviback train says more, and how to resume)
+        full = full_disk_error(e)
+        if full is None or args.verbose:
+            raise
+        print(f"eviback {name}: the disk is full ({type(full).__name__}: {full}); free space and run the same "
+              "command again (-v shows where it was writing)", file=sys.stderr)
+        return DISK_FULL_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from eviback.disk import DISK_FULL_EXIT, free_bytes, full_disk_error, gigabytes, size_on_disk
 from eviback.evaluate import comparison_markdown
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.train.config import TrainConfig, describe_fields, resolve_config
@@ -58,11 +59,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_training(config, output, resume=args.resume)
     except Exception as e:
-        unavailable = ServiceUnavailable.found_in(e)
-        if unavailable is None or getattr(args, "verbose", False):
+        if getattr(args, "verbose", False):
             raise
-        print(stop_message(unavailable, config, output, resume_command(args, output)), file=sys.stderr)
-        return unavailable.exit_code
+        unavailable = ServiceUnavailable.found_in(e)
+        full = full_disk_error(e)
+        if unavailable is not None:
+            print(stop_message(unavailable, config, output, resume_command(args, output)), file=sys.stderr)
+            return unavailable.exit_code
+        if full is not None:
+            print(disk_full_message(full, config, output, resume_command(args, output)), file=sys.stderr)
+            return DISK_FULL_EXIT
+        raise
     if result.eval_summary is not None:
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
         print(comparison_markdown({**tables, "trained": result.eval_summary}, title="Held-out evaluation"))
@@ -92,14 +99,17 @@ def resume_command(args: argparse.Namespace, output: str) -> str:
     return shlex.join(words)
 
 
+def progress(run: RunDir) -> tuple[int, int | None]:
+    """(the last step the run logged, 0 for none; its last complete checkpoint's step, or None)."""
+    logged = [m["step"] for m in run.read_metrics() if "step" in m]
+    return max(logged, default=0), run.last_checkpoint_step()
+
+
 def stop_message(error: ServiceUnavailable, config: TrainConfig, output: str, command: str) -> str:
     """One paragraph for a run stopped by a service that stopped answering (the retrieval service, past its
     deadline; the policy server): the service, its last error, where the run stopped, what `--resume` redoes
     (the steps since the last checkpoint) and `command`, which continues it."""
-    run = RunDir(output)
-    logged = [m["step"] for m in run.read_metrics() if "step" in m]
-    done = max(logged, default=0)
-    checkpoint = run.last_checkpoint_step()
+    done, checkpoint = progress(RunDir(output))
     if done == 0 and checkpoint is None:
         where = "before its first step was done (in the warm start, or the first rollouts)"
         redone = "--resume starts it over, reusing a finished warm start"
@@ -117,8 +127,7 @@ def stop_message(error: ServiceUnavailable, config: TrainConfig, output: str, co
         else:
             redone = (f"--resume continues from its last checkpoint, step {checkpoint} (save_steps="
                       f"{config.save_steps}): steps {checkpoint + 1}-{done + 1} are redone")
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    launch = f" (launched as before, {processes} processes)" if processes > 1 else ""
+    launch = launched_as_before()
     if isinstance(error, RetrieverUnavailable):
         patience = (f"; `--set retrieval_deadline_s=SECONDS` (now {config.retrieval_deadline_s:g}) waits longer for a "
                     "service that is slow to load its index")
@@ -129,3 +138,46 @@ def stop_message(error: ServiceUnavailable, config: TrainConfig, output: str, co
     return (f"eviback train: {error.describe()}, so the run stopped {where}; {redone}. Once the "
             f"{error.service.removeprefix('the ')} answers again ({error.restart()}), continue the run with "
             f"`{command}`{launch}{patience}.")
+
+
+def launched_as_before() -> str:
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    return f" (launched as before, {processes} processes)" if processes > 1 else ""
+
+
+def disk_full_message(error: BaseException, config: TrainConfig, output: str, command: str) -> str:
+    """One paragraph for a run stopped by a full disk (or quota), most likely while writing a checkpoint or the
+    final model: the error, the space left and what one checkpoint takes, where the run stopped, what
+    `--resume` redoes (from the last complete checkpoint) and `command`, which continues it."""
+    run = RunDir(output)
+    done, checkpoint = progress(run)
+    if done == 0 and checkpoint is None:
+        where = "before its first step was done (in the warm start, or the first rollouts)"
+        redone = "--resume starts it over, reusing a finished warm start"
+    elif done >= config.max_steps and checkpoint == done:
+        where = f"after its last step ({done} of {config.max_steps}), writing the final model or evaluating it"
+        redone = "--resume writes the final model again and evaluates it, with no step redone"
+    else:
+        where = f"after step {done} of {config.max_steps}"
+        if not config.save_steps:
+            redone = "the run writes no checkpoints (save_steps=0), so --resume starts it over"
+        elif checkpoint is None:
+            redone = "it had no complete checkpoint yet, so --resume starts it over"
+        elif checkpoint >= done:
+            redone = f"--resume continues from its checkpoint at step {checkpoint}, with no step redone"
+        else:
+            steps = f"step {done} is" if checkpoint + 1 == done else f"steps {checkpoint + 1}-{done} are"
+            redone = f"--resume continues from its last complete checkpoint, step {checkpoint}: {steps} redone"
+    sizes = ""
+    last = run.last_checkpoint()
+    if last is not None:
+        sizes = f"; one checkpoint of this run takes {gigabytes(size_on_disk(last))}"
+    partial = run.incomplete_checkpoints()
+    if partial:
+        names = ", ".join(str(p) for p in partial)
+        sizes += (f"; {names} did not finish saving ({gigabytes(sum(size_on_disk(p) for p in partial))}) and can be "
+                  "deleted")
+    return (f"eviback train: the disk holding {run.root} is full ({type(error).__name__}: {error}), so the run "
+            f"stopped {where}; {redone}. {gigabytes(free_bytes(run.root))} are free there now{sizes}. Free space "
+            f"(or keep fewer checkpoints: `--set save_total_limit=1`, now {config.save_total_limit}), then continue "
+            f"the run with `{command}`{launched_as_before()}.")

@@ -147,6 +147,13 @@ class RunDir:
                         best = (step, path)
         return best[1] if best else None
 
+    def incomplete_checkpoints(self) -> list[Path]:
+        """Checkpoint directories whose save did not finish (no `trainer_state.json`): never resumed from."""
+        if not self.checkpoints.exists():
+            return []
+        return sorted(p for p in self.checkpoints.iterdir()
+                      if re.fullmatch(r"checkpoint-\d+", p.name) and not (p / "trainer_state.json").exists())
+
     def last_checkpoint_step(self) -> int | None:
         path = self.last_checkpoint()
         return int(path.name.split("-")[1]) if path else None

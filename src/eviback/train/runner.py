@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from eviback.data import load_suite, read_training_questions
 from eviback.device import Placement, off_device, pin_trainer, place, placements, record
+from eviback.disk import RunFootprint
 from eviback.evaluate import EvalConfig, EvalSummary, comparison_html, run_eval
 from eviback.generation import VLLM_SERVER, BackendConfig, load_backend
 from eviback.generation.base import GenerationBackend, push_weights, sleep_backend
@@ -372,6 +373,8 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
+    if main:  # the main process writes the checkpoints and the final model
+        check_run_disk(config, start, model, master, optimizer)
 
     # The engine holds its own copy of the policy on the run's device, refreshed before each rollout step: the
     # trainer's model runs in training mode, in fp32 under autocast on a GPU and with gradient checkpointing on
@@ -390,6 +393,17 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
     engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
     return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
                     engine)
+
+
+def check_run_disk(config: TrainConfig, start: RunStart, model: Any, master: Any, optimizer: Any) -> None:
+    """Before the first step: refuse a run whose disk cannot take its first checkpoint (or its final model), and
+    warn when it cannot take all the run may write (eviback.disk)."""
+    footprint = RunFootprint.of(model, master, optimizer, steps_left=config.max_steps - (start.resumed_from or 0),
+                                save_steps=config.save_steps, save_total_limit=config.save_total_limit)
+    warning = footprint.check(start.run.root, retry=" and continue with the same command and --resume (nothing "
+                              "was trained yet)" if start.resumed_from is None else " and run the same command again")
+    if warning:
+        log.warning("%s", warning)
 
 
 def connect_policy_server(config: TrainConfig) -> VllmServerBackend:

@@ -1,0 +1,123 @@
+"""Disk space for what a run writes: the size of a training checkpoint, a check before the first step, and
+telling a full disk from other failures.
+
+A checkpoint of a policy is several times its weights: the model in its dtype, the fp32 master weights of a
+bf16 run, and AdamW's two moments for every optimised parameter (1.9 GB for the 135M policy in bf16 with
+masters). transformers writes a checkpoint before it rotates out the oldest, so `save_total_limit` checkpoints
+are on disk plus the one being written. A disk that fills in the middle of a save is reported as what it is
+(`eviback train` exits 75 and says how to continue), not as the library's I/O traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# What a full disk (or a full quota) looks like when it is not an OSError: safetensors' Rust writer raises
+# `SafetensorError: ... I/O error: No space left on device (os error 28)`, torch.save a RuntimeError.
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# A command stopped by a full disk exits with EX_TEMPFAIL, as one stopped by a service that stopped answering: what
+# it wrote is kept, and it continues once space is freed.
+DISK_FULL_EXIT = 75
+FULL_WORDS = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+
+
+def full_disk_error(error: BaseException) -> BaseException | None:
+    """The error in `error`'s chain (itself, or what it was raised from or during) that says the disk or the
+    quota is full; None when none does."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in FULL_ERRNOS:
+            return current
+        if any(words in str(current).lower() for words in FULL_WORDS):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the file system that holds `path` (its nearest existing parent if it does not exist yet)."""
+    place = Path(path).absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return shutil.disk_usage(place).free
+
+
+def gigabytes(n: int | float) -> str:
+    """`n` bytes for a person: GB, MB below 0.1 GB, kB below 1 MB."""
+    if n >= 1e8:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+def size_on_disk(path: str | Path) -> int:
+    """Bytes of the file `path`, or of the files under it (0 when it does not exist)."""
+    root = Path(path)
+    if root.is_file():
+        return root.stat().st_size
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of `tensors` (anything with numel and element_size), each storage counted once."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+@dataclass(frozen=True)
+class RunFootprint:
+    """What a training run writes, in bytes: one checkpoint, the final model, and how many checkpoints it
+    writes and keeps."""
+
+    checkpoint: int
+    final: int
+    checkpoints_to_write: int
+    save_total_limit: int
+
+    @classmethod
+    def of(cls, model: Any, master: Any | None, optimizer: Any, *, steps_left: int, save_steps: int,
+           save_total_limit: int) -> RunFootprint:
+        """The footprint of a run training `model` (with fp32 `master` weights, or None) with AdamW
+        `optimizer` for `steps_left` more steps, checkpointing every `save_steps` (0: never) and at the last."""
+        weights = tensor_bytes(model.parameters()) + (tensor_bytes(master.parameters()) if master is not None else 0)
+        optimised = tensor_bytes(p for group in optimizer.param_groups for p in group["params"])
+        final = tensor_bytes((master if master is not None else model).parameters())
+        to_write = math.ceil(steps_left / save_steps) if save_steps and steps_left > 0 else 0
+        return cls(weights + 2 * optimised, final, to_write, save_total_limit)
+
+    @property
+    def first_write(self) -> int:
+        """Bytes the run must be able to write before it has anything to resume from: its first checkpoint,
+        or its final model when it writes none."""
+        return self.checkpoint if self.checkpoints_to_write else self.final
+
+    @property
+    def peak(self) -> int:
+        """Bytes the run adds at most: the checkpoints on disk at once (the kept ones and the one being
+        written) and the final model."""
+        return min(self.checkpoints_to_write, self.save_total_limit + 1) * self.checkpoint + self.final
+
+    def check(self, path: str | Path, free: int | None = None, *, retry: str = "") -> str | None:
+        """Refuse (ValueError, ending with `retry`: how to try again) a run whose disk cannot take its first
+        write; return a warning when it cannot take the run's peak (another process may free space meanwhile);
+        None when it fits."""
+        free = free_bytes(path) if free is None else free
+        room = (f"one checkpoint of this run takes {gigabytes(self.checkpoint)} (the weights, fp32 masters and "
+                f"AdamW's two moments), the final model {gigabytes(self.final)}")
+        if free < self.first_write:
+            what = "its first checkpoint" if self.checkpoints_to_write else "its final model"
+            raise ValueError(f"the disk holding {path} has {gigabytes(free)} free, too little for {what}: {room}. "
+                             f"Free space there{retry}, or train into a directory on another disk (--output)")
+        if free < self.peak:
+            return (f"the disk holding {path} has {gigabytes(free)} free and this run may write "
+                    f"{gigabytes(self.peak)} ({room}; save_total_limit={self.save_total_limit} keeps "
+                    f"{self.save_total_limit} and writes the next before removing the oldest): it may fill "
+                    f"before the run ends. `--set save_total_limit=1` keeps fewer; a full disk stops the run, "
+                    f"and --resume continues it from its last complete checkpoint")
+        return None
