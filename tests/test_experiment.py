@@ -335,6 +335,26 @@ def test_a_run_that_fails_fails_the_experiment_with_its_exit_code():
     assert failed.value.returncode == 3
 
 
+@pytest.mark.parametrize("code, status, says", [(75, 75, "exited 75"), (1, 1, "exited 1"),
+                                                (-9, 1, "was killed by signal 9")])
+def test_a_failed_run_stops_the_experiment_in_one_line_with_its_status(tmp_path, monkeypatch, capsys, code, status,
+                                                                      says):
+    from eviback.cli import main
+    from eviback.experiment import run
+
+    def failing(command):
+        raise subprocess.CalledProcessError(code, list(command))
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(minimal()))
+    monkeypatch.setattr(run, "run_process", failing)
+    assert main(["experiment", "exp.yaml"]) == status
+    err = capsys.readouterr().err
+    assert err.startswith(f"eviback experiment: `{sys.executable} -c ") and "Traceback" not in err
+    assert f"{says} (its own message is above), so the experiment stopped. The runs it finished are kept in " \
+           "out; run the same command again to go on" in err
+
+
 # ---- end to end --------------------------------------------------------------------------------------------
 
 TINY = {"backend": "hf", "warm_start": False, "group_size": 2, "questions_per_step": 2, "max_turns": 1,

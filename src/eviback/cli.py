@@ -14,8 +14,9 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from eviback.disk import DISK_FULL_EXIT, full_disk_error
+from eviback.disk import full_disk_error
 from eviback.log_format import configure_logging
+from eviback.unavailable import RESUMABLE_EXIT
 
 # name -> module under eviback.commands; the order is the order of `eviback --help`
 COMMANDS = ("demo", "data", "index", "serve", "serve-policy", "eval", "judge", "build-judge", "sft", "train", "experiment", "ape",
@@ -84,7 +85,7 @@ def _run(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespa
             raise
         print(f"eviback {name}: the disk is full ({type(full).__name__}: {full}); free space and run the same "
               "command again (-v shows where it was writing)", file=sys.stderr)
-        return DISK_FULL_EXIT
+        return RESUMABLE_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:

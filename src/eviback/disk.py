@@ -5,7 +5,7 @@ A checkpoint of a policy is several times its weights: the model in its dtype, t
 bf16 run, and AdamW's two moments for every optimised parameter (1.9 GB for the 135M policy in bf16 with
 masters). transformers writes a checkpoint before it rotates out the oldest, so `save_total_limit` checkpoints
 are on disk plus the one being written. A disk that fills in the middle of a save is reported as what it is
-(`eviback train` exits 75 and says how to continue), not as the library's I/O traceback.
+(`eviback train` exits 75, `eviback.unavailable.RESUMABLE_EXIT`, and says how to continue), not as the library's I/O traceback.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from typing import Any
 # What a full disk (or a full quota) looks like when it is not an OSError: safetensors' Rust writer raises
 # `SafetensorError: ... I/O error: No space left on device (os error 28)`, torch.save a RuntimeError.
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# A command stopped by a full disk exits with EX_TEMPFAIL, as one stopped by a service that stopped answering: what
-# it wrote is kept, and it continues once space is freed.
-DISK_FULL_EXIT = 75
 FULL_WORDS = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
 
 

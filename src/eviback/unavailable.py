@@ -8,6 +8,11 @@ exceptions wrap it (:meth:`ServiceUnavailable.found_in`).
 
 from __future__ import annotations
 
+# The exit status of a command stopped by something outside it that passes (a service that stopped answering,
+# a full disk): sysexits' EX_TEMPFAIL. What it did is kept; the same command (with --resume for a training run)
+# goes on once the cause is gone.
+RESUMABLE_EXIT = 75
+
 
 class ServiceUnavailable(RuntimeError):
     """The base of the errors of a service that stopped answering; `url` is the service's."""
@@ -16,7 +21,7 @@ class ServiceUnavailable(RuntimeError):
     service = "the service"  # what the paragraphs call it: "the retrieval service", "the policy server"
     # The exit status of a command it stops: the same command (with --resume for a training run) continues once
     # the service is back.
-    exit_code = 75
+    exit_code = RESUMABLE_EXIT
 
     def reason(self) -> str:
         """What went wrong, after the service's name and URL: "did not answer for 300 s (...)"."""

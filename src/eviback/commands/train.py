@@ -27,14 +27,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from eviback.disk import DISK_FULL_EXIT, free_bytes, full_disk_error, gigabytes, size_on_disk
+from eviback.disk import free_bytes, full_disk_error, gigabytes, size_on_disk
 from eviback.evaluate import comparison_markdown
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.train.config import TrainConfig, describe_fields, resolve_config
 from eviback.train.report_summary import summary_text
 from eviback.train.run import RunDir
 from eviback.train.runner import run_training
-from eviback.unavailable import ServiceUnavailable
+from eviback.unavailable import RESUMABLE_EXIT, ServiceUnavailable
 
 HELP = ("train with GRPO + teacher backoff (presets: eviback, grpo, dapo, f1-fallback, eviback-single-prompt, "
         "eviback-oracle, demo)")
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             return unavailable.exit_code
         if full is not None:
             print(disk_full_message(full, config, output, resume_command(args, output)), file=sys.stderr)
-            return DISK_FULL_EXIT
+            return RESUMABLE_EXIT
         raise
     if result.eval_summary is not None:
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
