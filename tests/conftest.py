@@ -8,7 +8,47 @@ training runs plan it) for a shared CI machine."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
+
+# The suite's own files at their peak, measured in a clean clone (the venv aside): about 6 GB, most of it the
+# checkpoints of the end-to-end training tests (1.9 GB each for the 135M policy), removed as each test passes.
+SUITE_PEAK_GB = 6
+
+# The free disk space under the temporary directory: at the start, and the lowest seen at the end of a test's
+# body (before its tmp_path goes). A disk that fills mid-suite fails the training tests with I/O errors from
+# safetensors or torch that name no cause a reader would look for; the summary's last line names it.
+_free: dict[str, int] = {}
+
+
+def _sample_free_space() -> None:
+    from eviback.disk import free_bytes
+
+    free = free_bytes(tempfile.gettempdir())
+    _free.setdefault("start", free)
+    _free["lowest"] = min(free, _free.get("lowest", free))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _sample_free_space()
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> None:
+    if call.when == "call":
+        _sample_free_space()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    from eviback.disk import gigabytes
+
+    if "start" not in _free:
+        return
+    line = (f"disk under {tempfile.gettempdir()}: {gigabytes(_free['start'])} free at the start, "
+            f"{gigabytes(_free['lowest'])} at the lowest (the suite writes about {SUITE_PEAK_GB} GB at its peak)")
+    if _free["lowest"] < 10**9:
+        line += "; the disk filled: failures with 'No space left on device' are that, not the code"
+    terminalreporter.write_line(line)
 
 # The configuration of the session's engine; code under test that asks for the same gets the same engine.
 TEST_KV_CACHE_GIB = 0.75
