@@ -90,8 +90,8 @@ def test_the_footprint_is_what_a_checkpoint_takes_on_disk(tmp_path, masters):
 def test_the_check_refuses_what_cannot_be_written_and_warns_of_what_may_not():
     runs = RunFootprint(checkpoint=2 * GB, final=GB, checkpoints_to_write=10, save_total_limit=2)
     with pytest.raises(ValueError, match=r"has 1\.5 GB free, too little for its first checkpoint: one checkpoint "
-                                         r"of this run takes 2\.0 GB .*Free space there, then again"):
-        runs.check("runs/x", free=int(1.5 * GB), retry=", then again")
+                                         r"of this run takes 2\.0 GB .*final model 1\.0 GB\. Free some, then again"):
+        runs.check("runs/x", free=int(1.5 * GB), retry="Free some, then again")
     warning = runs.check("runs/x", free=5 * GB)
     assert warning is not None and "may write 7.0 GB" in warning and "save_total_limit=1" in warning
     assert runs.check("runs/x", free=7 * GB) is None
@@ -216,7 +216,8 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(tm
     assert result.returncode == 2, result.stderr[-3000:]
     assert "eviback train: error: the disk holding" in result.stderr and "Traceback" not in result.stderr
     assert "has 10 MB free, too little for its first checkpoint: one checkpoint of this run takes" in result.stderr
-    assert "--resume (nothing was trained yet)" in result.stderr
+    assert "run the same command with --resume (nothing was trained yet), or train into a directory on another " \
+           "disk (--output)" in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -5,7 +5,8 @@ A checkpoint of a policy is several times its weights: the model in its dtype, t
 bf16 run, and AdamW's two moments for every optimised parameter (1.9 GB for the 135M policy in bf16 with
 masters). transformers writes a checkpoint before it rotates out the oldest, so `save_total_limit` checkpoints
 are on disk plus the one being written. A disk that fills in the middle of a save is reported as what it is
-(`eviback train` exits 75, `eviback.unavailable.RESUMABLE_EXIT`, and says how to continue), not as the library's I/O traceback.
+(`eviback train` exits 75, `eviback.unavailable.RESUMABLE_EXIT`, and says how to continue), not as the
+library's I/O traceback.
 """
 
 from __future__ import annotations
@@ -100,17 +101,17 @@ class RunFootprint:
         written) and the final model."""
         return min(self.checkpoints_to_write, self.save_total_limit + 1) * self.checkpoint + self.final
 
-    def check(self, path: str | Path, free: int | None = None, *, retry: str = "") -> str | None:
+    def check(self, path: str | Path, free: int | None = None, *, retry: str = "Free space there") -> str | None:
         """Refuse (ValueError, ending with `retry`: how to try again) a run whose disk cannot take its first
         write; return a warning when it cannot take the run's peak (another process may free space meanwhile);
         None when it fits."""
         free = free_bytes(path) if free is None else free
-        room = (f"one checkpoint of this run takes {gigabytes(self.checkpoint)} (the weights, fp32 masters and "
-                f"AdamW's two moments), the final model {gigabytes(self.final)}")
+        room = (f"one checkpoint of this run takes {gigabytes(self.checkpoint)} (the weights, any fp32 masters "
+                f"and AdamW's two moments), the final model {gigabytes(self.final)}")
         if free < self.first_write:
             what = "its first checkpoint" if self.checkpoints_to_write else "its final model"
             raise ValueError(f"the disk holding {path} has {gigabytes(free)} free, too little for {what}: {room}. "
-                             f"Free space there{retry}, or train into a directory on another disk (--output)")
+                             f"{retry}")
         if free < self.peak:
             return (f"the disk holding {path} has {gigabytes(free)} free and this run may write "
                     f"{gigabytes(self.peak)} ({room}; save_total_limit={self.save_total_limit} keeps "

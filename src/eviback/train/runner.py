@@ -400,8 +400,12 @@ def check_run_disk(config: TrainConfig, start: RunStart, model: Any, master: Any
     warn when it cannot take all the run may write (eviback.disk)."""
     footprint = RunFootprint.of(model, master, optimizer, steps_left=config.max_steps - (start.resumed_from or 0),
                                 save_steps=config.save_steps, save_total_limit=config.save_total_limit)
-    warning = footprint.check(start.run.root, retry=" and continue with the same command and --resume (nothing "
-                              "was trained yet)" if start.resumed_from is None else " and run the same command again")
+    if start.resumed_from is None:
+        retry = ("Free space there and run the same command with --resume (nothing was trained yet), or train into "
+                 "a directory on another disk (--output)")
+    else:
+        retry = "Free space there and run the same command again"
+    warning = footprint.check(start.run.root, retry=retry)
     if warning:
         log.warning("%s", warning)
 
