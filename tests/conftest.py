@@ -12,6 +12,9 @@ import tempfile
 
 import pytest
 
+# bound here, once: a test that monkeypatches eviback.disk does not change what the suite's own sampling reads
+from eviback.disk import free_bytes, gigabytes
+
 # The suite's own files at their peak (the venv aside): 4.6 GB at the lowest free space sampled after a test's
 # body in a clean clone of 08ad5f1, and more for a moment inside the experiment test, hence "about 6 GB"; most
 # of it the end-to-end training tests' checkpoints (1.9 GB each for the 135M policy), removed as each passes.
@@ -24,8 +27,6 @@ _free: dict[str, int] = {}
 
 
 def _sample_free_space() -> None:
-    from eviback.disk import free_bytes
-
     free = free_bytes(tempfile.gettempdir())
     _free.setdefault("start", free)
     _free["lowest"] = min(free, _free.get("lowest", free))
@@ -41,8 +42,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    from eviback.disk import gigabytes
-
     if "start" not in _free:
         return
     line = (f"disk under {tempfile.gettempdir()}: {gigabytes(_free['start'])} free at the start, "

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +47,18 @@ def test_a_full_disk_is_found_in_the_chain_whatever_raised_it():
 
 def test_free_bytes_of_a_path_not_made_yet_is_its_parents(tmp_path):
     assert free_bytes(tmp_path / "not" / "yet") == free_bytes(tmp_path) > 0
+
+
+def test_free_space_names_each_file_system_once(tmp_path):
+    from eviback.disk import free_space
+
+    same = free_space({"the run directory": tmp_path / "run", "the cache": tmp_path / "cache"})
+    assert same.startswith("free now: ") and same.endswith(" under the run directory")
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second file system (/dev/shm) to name")
+    two = free_space({"the run directory": tmp_path / "run", "the cache": shm / "cache"})
+    assert two.startswith(same + ", ") and two.endswith(f" under the cache ({shm / 'cache'})")
 
 
 def tiny_model(dtype):
@@ -127,10 +140,10 @@ def paragraph(tmp_path, logged: int, checkpoint: int | None, partial: int | None
 def test_the_paragraph_says_what_is_kept_what_to_delete_and_how_to_continue(tmp_path):
     text = paragraph(tmp_path, logged=7, checkpoint=5, partial=7, save_steps=5)
     run = tmp_path / "run"
-    assert "\n" not in text and text.startswith(f"eviback train: the disk holding {run} is full (OSError: [Errno "
-                                                f"{errno.ENOSPC}] No space left on device), so the run stopped after "
-                                                "step 7 of 10; --resume continues from its last complete checkpoint, "
-                                                "step 5: steps 6-7 are redone.")
+    assert "\n" not in text and text.startswith(f"eviback train: a disk is full (OSError: [Errno {errno.ENOSPC}] No "
+                                                f"space left on device), so the run {run} stopped after step 7 of 10; "
+                                                "--resume continues from its last complete checkpoint, step 5: steps "
+                                                "6-7 are redone. Free now: ")
     assert "one checkpoint of this run takes 3 MB" in text
     assert f"{run / 'checkpoints' / 'checkpoint-7'} did not finish saving (1 MB) and can be deleted" in text
     assert f"`eviback train --preset grpo --set lam=0.5 --output {run} --resume`" in text
@@ -228,9 +241,9 @@ def test_a_run_whose_disk_fills_in_a_checkpoint_stops_and_resumes(tmp_path):
     run = tmp_path / "run"
     lines = [line for line in result.stderr.splitlines() if line.startswith("eviback train:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert lines[0].startswith(f"eviback train: the disk holding {run} is full (OSError: [Errno {errno.ENOSPC}] No "
-                               "space left on device), so the run stopped after step 2 of 2; --resume continues from "
-                               "its last complete checkpoint, step 1: step 2 is redone.")
+    assert lines[0].startswith(f"eviback train: a disk is full (OSError: [Errno {errno.ENOSPC}] No space left on "
+                               f"device), so the run {run} stopped after step 2 of 2; --resume continues from its last "
+                               "complete checkpoint, step 1: step 2 is redone. Free now: ")
     assert f"{run / 'checkpoints' / 'checkpoint-2'} did not finish saving" in lines[0]
     assert [json.loads(m)["step"] for m in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     # the printed command, run once there is space, finishes the run; the half-written checkpoint is redone

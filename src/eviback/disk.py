@@ -42,10 +42,25 @@ def full_disk_error(error: BaseException) -> BaseException | None:
 
 def free_bytes(path: str | Path) -> int:
     """Free bytes on the file system that holds `path` (its nearest existing parent if it does not exist yet)."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def _existing(path: str | Path) -> Path:
     place = Path(path).absolute()
     while not place.exists() and place != place.parent:
         place = place.parent
-    return shutil.disk_usage(place).free
+    return place
+
+
+def free_space(places: dict[str, str | Path]) -> str:
+    """The free space of the file systems holding `places` (name -> path), each file system once: "77 GB
+    are free under the run directory" or "... under the run directory, 3 GB under the cache (PATH)"."""
+    by_device: dict[int, tuple[str, Path]] = {}
+    for name, path in places.items():
+        by_device.setdefault(_existing(path).stat().st_dev, (name, Path(path)))
+    parts = [f"{gigabytes(free_bytes(path))} under {name}" + ("" if i == 0 else f" ({path})")
+             for i, (name, path) in enumerate(by_device.values())]
+    return "free now: " + ", ".join(parts)
 
 
 def gigabytes(n: int | float) -> str:

@@ -27,7 +27,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from eviback.disk import free_bytes, full_disk_error, gigabytes, size_on_disk
+from eviback.cache import cache_dir
+from eviback.disk import free_space, full_disk_error, gigabytes, size_on_disk
 from eviback.evaluate import comparison_markdown
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.train.config import TrainConfig, describe_fields, resolve_config
@@ -177,7 +178,9 @@ def disk_full_message(error: BaseException, config: TrainConfig, output: str, co
         names = ", ".join(str(p) for p in partial)
         sizes += (f"; {names} did not finish saving ({gigabytes(sum(size_on_disk(p) for p in partial))}) and can be "
                   "deleted")
-    return (f"eviback train: the disk holding {run.root} is full ({type(error).__name__}: {error}), so the run "
-            f"stopped {where}; {redone}. {gigabytes(free_bytes(run.root))} are free there now{sizes}. Free space "
-            f"(or keep fewer checkpoints: `--set save_total_limit=1`, now {config.save_total_limit}), then continue "
-            f"the run with `{command}`{launched_as_before()}.")
+    # the run directory's disk, or the cache's (the warm start, the judge) where that is another one
+    free = free_space({"the run directory": run.root, "the cache": cache_dir()})
+    return (f"eviback train: a disk is full ({type(error).__name__}: {error}), so the run {run.root} stopped "
+            f"{where}; {redone}. {free[0].upper()}{free[1:]}{sizes}. Free space (or keep fewer checkpoints: `--set "
+            f"save_total_limit=1`, now {config.save_total_limit}), then continue the run with `{command}`"
+            f"{launched_as_before()}.")
