@@ -17,6 +17,11 @@ paragraph naming the service, its last error, what is redone and the `--resume` 
 run, and exit code 75 (`-v` shows the traceback). With `backend=vllm-server`, a policy server that stops
 answering stops the run the same way at once (a restarted server holds other weights than the run's last
 push, so it is not waited for); `--resume` pushes the checkpoint's weights into the restarted server.
+
+A checkpoint takes several times the policy's weights (1.9 GB for the 135M policy). Before the first step the
+run's disk is checked: too small for one checkpoint, the run is refused; too small for all it may write, a
+warning. A disk that fills anyway stops the run with exit 75 and a paragraph saying what --resume redoes from
+the last complete checkpoint (docs/training.md, "When the disk fills").
 """
 
 from __future__ import annotations
