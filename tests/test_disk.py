@@ -19,7 +19,7 @@ import yaml
 
 from eviback.disk import RunFootprint, free_bytes, full_disk_error, size_on_disk
 from eviback.train.config import TrainConfig
-from eviback.train.run import RunDir
+from run_fakes import stopped_run_dir
 
 GB = 10**9
 
@@ -120,13 +120,8 @@ def test_the_check_refuses_what_cannot_be_written_and_warns_of_what_may_not():
 def paragraph(tmp_path, logged: int, checkpoint: int | None, partial: int | None = None, **settings) -> str:
     from eviback.commands.train import disk_full_message, resume_command
 
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    for step in range(1, logged + 1):
-        run.log_metrics({"step": step})
+    run = stopped_run_dir(tmp_path / "run", logged, checkpoint)
     if checkpoint is not None:
-        (run.checkpoints / f"checkpoint-{checkpoint}").mkdir(parents=True)
-        (run.checkpoints / f"checkpoint-{checkpoint}" / "trainer_state.json").write_text("{}")
         (run.checkpoints / f"checkpoint-{checkpoint}" / "model.safetensors").write_bytes(b"0" * 3_000_000)
     if partial is not None:
         (run.checkpoints / f"checkpoint-{partial}").mkdir(parents=True)

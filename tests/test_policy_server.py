@@ -297,17 +297,12 @@ def test_eviback_train_stopped_by_its_policy_server_says_how_to_resume(tmp_path,
     from eviback.cli import main
     from eviback.commands import train as command
     from eviback.generation.server import PolicyServerUnavailable
-    from eviback.train.run import RunDir
+    from run_fakes import stopped_run_dir
 
     output = tmp_path / "run"
 
     def stopped(config, out, *, resume=False):
-        run = RunDir(out)
-        run.root.mkdir()
-        for step in (1, 2, 3):
-            run.log_metrics({"step": step})
-        (run.checkpoints / "checkpoint-2").mkdir(parents=True)
-        (run.checkpoints / "checkpoint-2" / "trainer_state.json").write_text("{}")
+        stopped_run_dir(output, logged=3, checkpoint=2)
         try:
             raise PolicyServerUnavailable("http://gpu7:8002", "RemoteProtocolError: Server disconnected")
         except PolicyServerUnavailable as e:

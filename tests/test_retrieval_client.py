@@ -125,15 +125,9 @@ def stopped_run(tmp_path: Path, logged: int, checkpoint: int | None, **settings:
     import argparse
 
     from eviback.commands.train import resume_command, stop_message
-    from eviback.train.run import RunDir
+    from run_fakes import stopped_run_dir
 
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    for step in range(1, logged + 1):
-        run.log_metrics({"step": step})
-    if checkpoint is not None:
-        (run.checkpoints / f"checkpoint-{checkpoint}").mkdir(parents=True)
-        (run.checkpoints / f"checkpoint-{checkpoint}" / "trainer_state.json").write_text("{}")
+    run = stopped_run_dir(tmp_path / "run", logged, checkpoint)
     args = argparse.Namespace(preset="grpo", config="my run.yaml", set=["retriever=http://svc:8000", "lam=0.5"],
                               output=str(run.root), resume=False)
     config = TrainConfig.from_settings(max_steps=10, **settings)

@@ -111,23 +111,35 @@ def progress(run: RunDir) -> tuple[int, int | None]:
     return max(logged, default=0), run.last_checkpoint_step()
 
 
+# Where a run stopped before its first step, and what --resume redoes then: the same for every cause.
+BEFORE_FIRST_STEP = ("before its first step was done (in the warm start, or the first rollouts)",
+                     "--resume starts it over, reusing a finished warm start")
+
+
+def starts_over(config: TrainConfig, checkpoint: int | None, none_yet: str) -> str | None:
+    """What --resume redoes when the run has nothing to continue from (`none_yet`: the kind of checkpoint it
+    lacks); None when it has a checkpoint."""
+    if not config.save_steps:
+        return "the run writes no checkpoints (save_steps=0), so --resume starts it over"
+    if checkpoint is None:
+        return f"it had no {none_yet} yet, so --resume starts it over"
+    return None
+
+
 def stop_message(error: ServiceUnavailable, config: TrainConfig, output: str, command: str) -> str:
     """One paragraph for a run stopped by a service that stopped answering (the retrieval service, past its
     deadline; the policy server): the service, its last error, where the run stopped, what `--resume` redoes
     (the steps since the last checkpoint) and `command`, which continues it."""
     done, checkpoint = progress(RunDir(output))
     if done == 0 and checkpoint is None:
-        where = "before its first step was done (in the warm start, or the first rollouts)"
-        redone = "--resume starts it over, reusing a finished warm start"
+        where, redone = BEFORE_FIRST_STEP
     elif done >= config.max_steps:
         where = f"after its last step ({done} of {config.max_steps}), in the final evaluation"
         redone = "--resume redoes only the evaluation's unfinished questions"
     else:
         where = f"in step {done + 1} of {config.max_steps}"
-        if not config.save_steps:
-            redone = "the run writes no checkpoints (save_steps=0), so --resume starts it over"
-        elif checkpoint is None:
-            redone = "it had no checkpoint yet, so --resume starts it over"
+        if over := starts_over(config, checkpoint, "checkpoint"):
+            redone = over
         elif checkpoint >= done:
             redone = f"--resume continues from its checkpoint at step {checkpoint}: only step {done + 1} is redone"
         else:
@@ -158,17 +170,14 @@ def disk_full_message(error: BaseException, config: TrainConfig, output: str, co
     run = RunDir(output)
     done, checkpoint = progress(run)
     if done == 0 and checkpoint is None:
-        where = "before its first step was done (in the warm start, or the first rollouts)"
-        redone = "--resume starts it over, reusing a finished warm start"
+        where, redone = BEFORE_FIRST_STEP
     elif done >= config.max_steps and checkpoint == done:
         where = f"after its last step ({done} of {config.max_steps}), writing the final model or evaluating it"
         redone = "--resume writes the final model again and evaluates it, with no step redone"
     else:
         where = f"after step {done} of {config.max_steps}"
-        if not config.save_steps:
-            redone = "the run writes no checkpoints (save_steps=0), so --resume starts it over"
-        elif checkpoint is None:
-            redone = "it had no complete checkpoint yet, so --resume starts it over"
+        if over := starts_over(config, checkpoint, "complete checkpoint"):
+            redone = over
         elif checkpoint >= done:
             redone = f"--resume continues from its checkpoint at step {checkpoint}, with no step redone"
         else:

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 from filelock import FileLock, Timeout
 
+from eviback.disk import size_on_disk
 from eviback.train.config import TrainConfig
 
 # Settings that may change between a run and its resumption (they do not change what was already done).
@@ -230,8 +231,7 @@ class RunDir:
 
     def size_mb(self) -> float:
         """Everything the run directory holds, in MB."""
-        total = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
-        return round(total / 1024 ** 2, 2)
+        return round(size_on_disk(self.root) / 1024 ** 2, 2)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_records(self.metrics_path)
