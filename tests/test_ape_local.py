@@ -19,6 +19,7 @@ from eviback.data import write_jsonl
 from eviback.teacher.policy import read_artifact
 from eviback.teacher.probes import build_probes
 from eviback.types import to_dict
+from log_checks import assert_clean_in_process, capture_command_log
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,8 @@ def torch_threads():
     torch.set_num_threads(threads)
 
 
-def test_a_real_run_decides_on_the_sealed_test_and_replays(tmp_path, torch_threads):
+def test_a_real_run_decides_on_the_sealed_test_and_replays(tmp_path, torch_threads, caplog, capfd, recwarn,
+                                                            monkeypatch):
     (tmp_path / "spec.yaml").write_text(SPEC)
     out = tmp_path / "run"
     rollouts = tmp_path / "rollouts.jsonl.gz"
@@ -62,7 +64,9 @@ def test_a_real_run_decides_on_the_sealed_test_and_replays(tmp_path, torch_threa
     args = ["ape", str(rollouts), "--out", str(out), "--spec", str(tmp_path / "spec.yaml"),
             "--backend", "local", "--controller", "local", "--threads", "1", "--concurrency", "1",
             "--seed-policy", "two-stage"]
+    capture_command_log(caplog, monkeypatch)
     code = main(args)
+    assert_clean_in_process(capfd, caplog, recwarn)  # its log: eviback's lines only
     result = json.loads((out / "result.json").read_text())
     confirmation = result["confirmation"]
     confirmed = confirmation["confirmed"]
@@ -94,7 +98,8 @@ def test_a_real_run_decides_on_the_sealed_test_and_replays(tmp_path, torch_threa
     assert (out / "events.jsonl").read_text().count("\n") == events
 
 
-def test_a_frozen_winner_judges_rollouts_on_the_real_model(tmp_path, torch_threads):
+def test_a_frozen_winner_judges_rollouts_on_the_real_model(tmp_path, torch_threads, caplog, capfd, recwarn,
+                                                           monkeypatch):
     """The freeze and load path, reached every time: E2E-APE freezes the winner that the sealed test confirms
     (the scripted teacher of test_ape_pipeline makes it so), and `eviback judge` loads it by path and version,
     as a user gives it, and judges rollouts with the real model."""
@@ -113,8 +118,14 @@ def test_a_frozen_winner_judges_rollouts_on_the_real_model(tmp_path, torch_threa
     write_jsonl(rollouts, (to_dict(p.trajectory) for p in build_probes(2, seed=21)))
     policy = f"{result.frozen_path}@{artifact.version[:12]}"
     verdicts = tmp_path / "verdicts.jsonl"
+    # the scripted run's output is not the command's
+    capfd.readouterr()
+    recwarn.clear()
+    caplog.clear()
+    capture_command_log(caplog, monkeypatch)
     assert main(["judge", str(rollouts), "--backend", "local", "--policy", policy, "--threads", "1", "--no-cache",
                  "--concurrency", "1", "--out", str(verdicts)]) == 0
+    assert_clean_in_process(capfd, caplog, recwarn)  # its log: eviback's lines only
     rows = [json.loads(line) for line in verdicts.read_text().splitlines()]
     assert len(rows) == 2 and all(r["verdict"]["status"] in ("S", "A", "I") for r in rows)
     assert all(r["verdict"]["policy_version"] == artifact.version for r in rows)

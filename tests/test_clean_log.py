@@ -1,8 +1,9 @@
 """A user can tell which lines of a log matter: the demo, run as a user runs it from a fresh cache, writes
-only eviback's own lines and progress bars (no third-party warning, no trainer's dict of raw figures), and
-`-v` still shows every third-party line. The demo is shrunk to one step on a handful of questions; every
-phase of `make demo` still runs (GGUF conversion, warm start, vLLM, held-out evaluations, the evidence
-judge's build, a TRL step, the report)."""
+only eviback's own lines and progress bars (no third-party warning, no trainer's dict of raw figures), its
+stdout no log line (vLLM's own lines included), and `-v` still shows every third-party line. The demo is
+shrunk to one step on a handful of questions; every phase of `make demo` still runs (GGUF conversion, warm
+start, vLLM, held-out evaluations, the evidence judge's build, a TRL step, the report). The other commands'
+tests check their own logs likewise (tests/log_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import sys
 
 import pytest
 
-from eviback.log_format import foreign_lines
+from eviback.log_format import foreign_lines, log_lines
+from log_checks import assert_clean_run
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,8 @@ TINY_DEMO = ["--steps", "1", "--set", "warm_start_examples=4", "--set", "eval_li
 
 def eviback(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "EVIBACK_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    for name in ("TRL_EXPERIMENTAL_SILENCE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
+    for name in ("TRL_EXPERIMENTAL_SILENCE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY",
+                 "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"):
         env.pop(name, None)  # what a user's shell has: nothing that quiets a library already
     return subprocess.run([sys.executable, "-m", "eviback.cli", *args], capture_output=True, text=True, env=env,
                           timeout=3000, cwd=tmp_path)
@@ -34,8 +37,10 @@ def test_the_demo_writes_only_eviback_lines_and_its_report_says_what_happened(tm
     result = eviback(tmp_path, "demo", "--output", str(run), *TINY_DEMO)
     assert result.returncode == 0, result.stderr[-4000:]
     assert foreign_lines(result.stderr) == [], "\n".join(foreign_lines(result.stderr))
-    # stdout is the demo's own: its table and summary, no trainer's `{'loss': ...}` line, no warning
-    assert not [line for line in result.stdout.splitlines() if line.startswith("{'") or "Warning" in line]
+    # stdout is the demo's own: its table and summary, no trainer's `{'loss': ...}` line, no log line (vLLM's
+    # own handler writes to stdout unless told otherwise)
+    assert log_lines(result.stdout) == [], "\n".join(log_lines(result.stdout))
+    assert not [line for line in result.stdout.splitlines() if line.startswith("{'")]
     assert "## What happened" in result.stdout and "paired bootstrap" in result.stdout
     page = (run / "report.html").read_text()
     assert "What happened" in page and "held-out F1, start -&gt; trained (9 questions)" in page
@@ -52,3 +57,4 @@ def test_verbose_shows_the_third_party_lines(tmp_path):
     quiet = eviback(tmp_path, *args, "--output", str(tmp_path / "judge"), "--force")
     assert quiet.returncode == 0, quiet.stderr[-4000:]
     assert "LOAD REPORT" not in quiet.stderr and "bm25s" not in quiet.stderr
+    assert_clean_run(quiet)  # `eviback build-judge`'s own log: its progress as eviback's lines

@@ -44,6 +44,8 @@ REQUIRED: dict[str, typing.Callable[[], dict[str, Any]]] = {
     "eviback.experiment.config.ExperimentConfig": lambda: {
         "name": "t", "out": Path("out"), "steps": 2, "arms": _arms(), "eval_benchmarks": ("nq",), "eval_limit": 2},
     "eviback.ape.config.ApeConfig": lambda: {"out": "run", "dumps": ("rollouts/step-1.jsonl.gz",)},
+    "eviback.prepare.PrepareConfig": lambda: {"out": "suite", "corpus": "wiki-18.jsonl.gz",
+                                              "test": ("test.parquet",)},
 }
 
 
@@ -147,7 +149,12 @@ RANGES = [
     ("generation.base.SamplingConfig", {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ("generation.base.SamplingConfig", {"temperature": float("nan")}, r"temperature must be >= 0"),
     ("generation.BackendConfig", {"backend": "tgi"}, r"unknown backend 'tgi'; choose one of vllm, hf"),
-    ("generation.BackendConfig", {"executor": "ray"}, r"unknown executor 'ray'; choose one of inprocess"),
+    ("generation.EngineSettings", {"executor": "ray"}, r"unknown executor 'ray'; choose one of inprocess"),
+    ("generation.EngineSettings", {"sleep_level": 3}, r"vllm_sleep_level must be 1 or 2"),
+    ("generation.EngineSettings", {"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization .* in \(0, 1\]"),
+    ("generation.EngineSettings", {"policy_url": "x"}, r"policy_url must be an http\(s\) URL"),
+    ("generation.EngineSettings", {"policy_timeout_s": -1.0}, r"timeout_s must be > 0"),
+    ("prepare.PrepareConfig", {"corpus_link": "move"}, r"unknown corpus_link \(--corpus-link\) 'move'"),
     ("generation.BackendConfig", {"hf_cache": "paged"}, r"hf_cache must be one of auto, dynamic, static"),
     ("generation.BackendConfig", {"threads": 0}, r"threads must be >= 1, or None"),
     ("generation.BackendConfig", {"max_model_len": 100}, r"max_model_len must be >= 256 for vllm"),
@@ -222,12 +229,10 @@ RANGES = [
     ("experiment.config.Arm", {"seeds": (0, 0)}, r"arm 'grpo': seeds must be distinct integers"),
     ("experiment.config.Arm", {"name": "a b"}, r"arm name 'a b' must be letters, digits"),
     ("evaluate.EvalConfig", {"backend": "tgi"}, r"backend must be one of vllm, hf, vllm-server"),
-    ("evaluate.EvalConfig", {"backend": "vllm-server", "policy_url": "x"}, r"policy_url must be an http\(s\) URL"),
+    ("evaluate.EvalConfig", {"engine": {"policy_url": "x"}}, r"EvalConfig.engine must be .*EngineSettings"),
     ("generation.server.ServerConfig", {"timeout_s": 0.0}, r"timeout_s must be > 0"),
     ("generation.server.ServerConfig", {"concurrency": 0}, r"concurrency must be >= 1"),
     ("generation.server.ServerConfig", {"group_port": 0}, r"group_port must be a port number"),
-    ("generation.BackendConfig", {"backend": "vllm-server", "policy_timeout_s": -1.0}, r"timeout_s must be > 0"),
-    ("train.config.TrainConfig", {"backend": "vllm-server", "policy_url": "ftp://h"}, r"policy_url must be an http"),
     ("evaluate.EvalConfig", {"limit": 0}, r"limit must be >= 1"),
     ("evaluate.EvalConfig", {"retrieval_deadline_s": 0.0}, r"retrieval_deadline_s must be > 0"),
     ("evaluate.EvalConfig", {"rollout": {"max_turns": 2}}, r"EvalConfig.rollout must be a RolloutConfig"),

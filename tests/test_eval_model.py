@@ -12,13 +12,16 @@ import pytest
 from eviback import cli
 from eviback.evaluate import read_items, read_summary
 from eviback.metrics import rollout_metrics
+from log_checks import assert_clean_in_process, assert_clean_run, capture_command_log
 
 pytestmark = pytest.mark.slow
 
 
-def test_eval_cli_on_vllm(vllm_backend, vllm_kv_cache_gib, tmp_path):  # starts the engine
+def test_eval_cli_on_vllm(vllm_backend, vllm_kv_cache_gib, tmp_path, caplog, capfd, recwarn, monkeypatch):
+    # vllm_backend starts the engine, before this test's body: its start-up lines are the demo's test's to check
     from eviback.generation import vllm as engines
 
+    capture_command_log(caplog, monkeypatch)
     out = tmp_path / "eval"
     argv = ["eval", "--benchmarks", "nq,hotpotqa", "--limit", "2", "--max-turns", "1", "--max-turn-tokens", "48",
             "--kv-cache-gib", str(vllm_kv_cache_gib), "--out", str(out), "--no-progress"]
@@ -38,6 +41,7 @@ def test_eval_cli_on_vllm(vllm_backend, vllm_kv_cache_gib, tmp_path):  # starts 
     # rerunning resumes: nothing left to do, same summary
     assert cli.main(argv) == 0
     assert read_summary(out / "summary.json") == summary and len(read_items(out / "items.jsonl")) == 4
+    assert_clean_in_process(capfd, caplog, recwarn)  # its log: eviback's lines only
 
 
 def test_eval_cli_on_hf_as_a_user_runs_it(tmp_path):
@@ -49,6 +53,7 @@ def test_eval_cli_on_hf_as_a_user_runs_it(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| popqa | 2 |" in result.stdout and "viewer:" in result.stdout
+    assert_clean_run(result)  # its log: eviback's lines only, none on stdout
     records = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:

@@ -43,6 +43,42 @@ def test_the_build_writes_a_judge_and_a_frozen_policy_that_names_it(judge):
     assert again.sha256 == judge.sha256
 
 
+def test_the_gate_threshold_is_calibrated_on_the_training_evidence_and_judges_with_it(judge, tmp_path, monkeypatch):
+    """The build calibrates the threshold on its training questions' evidence (cross-fitted), never on the
+    held-out ones, records it in judge.json, and the judge gates with it; a judge.json without one (builders
+    1-4) still loads, at 0.5."""
+    import shutil
+
+    from eviback.teacher import evidence_judge
+    from eviback.teacher.evidence_judge import EvidenceJudgeClient, competence, relevance
+
+    doc = json.loads((judge.path / "judge.json").read_text())
+    calibration = doc["calibration"]
+    assert doc["builder_version"] == 5 and calibration["method"] == "cross-fitted" and calibration["folds"] == 5
+    assert doc["threshold"] == calibration["threshold"] and 0 < doc["threshold"] < 1
+    assert 0.5 <= calibration["gate"] <= 1 and "skipped" not in calibration
+    # chosen on the training questions' evidence: as many texts as they gave, none of the held-out ones
+    assert calibration["n"] == sum(doc["counts"]["train_evidence"].values()) == calibration["n_i"] + calibration["n_open"]
+    assert calibration["n_i"] == doc["counts"]["train_evidence"].get("I", 0)
+
+    monkeypatch.setattr(evidence_judge, "_DIRECTORIES", dict(evidence_judge._DIRECTORIES))
+    question, evidence = "who wrote hamlet", 'Doc 1(Title: "Hamlet") Hamlet is a tragedy by William Shakespeare.'
+    legacy = tmp_path / "legacy"  # as builder 4 wrote it: no threshold, no calibration
+    shutil.copytree(judge.path, legacy)
+    old = {k: v for k, v in doc.items() if k not in ("threshold", "calibration")}
+    (legacy / "judge.json").write_text(json.dumps(old))
+    client = EvidenceJudgeClient(legacy, judge.sha256)
+    assert client.threshold == 0.5 and load_judge(legacy).sha256 == judge.sha256 and competence(legacy).gate is not None
+    score = relevance(client.probabilities([(question, evidence)]))
+    assert (client.classify([(question, evidence)])[0] is Status.INSUFFICIENT) is (score < 0.5)
+    for threshold, closes in ((score + 1e-4, True), (score - 1e-4, False)):
+        edited = tmp_path / f"t{threshold}"
+        shutil.copytree(judge.path, edited)
+        (edited / "judge.json").write_text(json.dumps({**doc, "threshold": threshold}))
+        status = EvidenceJudgeClient(edited, judge.sha256).classify([(question, evidence)])[0]
+        assert (status is Status.INSUFFICIENT) is closes, (threshold, score, status)
+
+
 def test_eviback_judge_uses_the_trained_judge_as_stage_a(judge, tmp_path, capsys):
     dump, out, summary = tmp_path / "dump.jsonl", tmp_path / "v.jsonl", tmp_path / "s.json"
     write_jsonl(dump, (to_dict(p.trajectory) for p in build_probes(6, seed=2)))

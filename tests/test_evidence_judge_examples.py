@@ -4,6 +4,8 @@ test_evidence_judge.py)."""
 import random
 from collections import Counter
 
+import pytest
+
 from eviback.train.judge_builder import JudgeExample, balance, length_batches
 from eviback.types import Status
 
@@ -92,3 +94,100 @@ def test_a_setting_that_changes_the_judge_changes_its_key(tmp_path):
     keys = {key(), key(architecture="cross-encoder"), key(threshold=0.6), key(max_length=128),
             build_key(EvidenceJudgeConfig(base_model=str(base)), examples + [JudgeExample("q2", "q", "f", NO, "search")])}
     assert len(keys) == 5
+
+
+def test_a_calibrated_judge_has_its_own_key(tmp_path):
+    """Builder 5 calibrates a bi-encoder's threshold: its key differs from a fixed threshold's (and from builder
+    4's, whose judges are rebuilt), and depends on the evidence it calibrates on; a cross-encoder is not
+    calibrated, and its key is builder 3's as before (threshold 0 means the 0.5 it always had)."""
+    from eviback.train import judge_builder
+    from eviback.train.judge_builder import EvidenceJudgeConfig, build_key
+
+    base = tmp_path / "model"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"w")
+    examples = [JudgeExample("q1", "q", "e", S, "search")]
+    evidence = [JudgeExample("q1", "q", "e\nDoc 2(Title: x) f", S, "search")]
+
+    def key(evidence=evidence, **changes) -> str:
+        return build_key(EvidenceJudgeConfig(base_model=str(base), **changes), examples, evidence)
+
+    assert EvidenceJudgeConfig().calibrated and EvidenceJudgeConfig().threshold == 0
+    assert not EvidenceJudgeConfig(threshold=0.5).calibrated
+    assert not EvidenceJudgeConfig(architecture="cross-encoder").calibrated
+    assert len({key(), key(threshold=0.5), key(evidence=evidence + examples), key(seed=1)}) == 4
+    assert judge_builder.BUILDER_VERSION == 5
+    cross = [key(architecture="cross-encoder", threshold=t, evidence=()) for t in (0.0, 0.5)]
+    assert cross[0] == cross[1] == key(architecture="cross-encoder", evidence=evidence)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny head fits: one torch thread (two, on a busy 2-core machine, made each fit 10-20x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _synthetic(n_questions: int):
+    """Embeddings where a relevant passage is its question's own vector and an irrelevant one another
+    direction: (embedded, passage examples, whole evidence texts), no model."""
+    import torch
+
+    from eviback.train.judge_builder import Embedded
+
+    gen = torch.Generator().manual_seed(0)
+    questions = [f"question {i}" for i in range(n_questions)]
+    q = torch.nn.functional.normalize(torch.randn(n_questions, 8, generator=gen), dim=-1)
+    texts, vectors, train, evidence = [], [], [], []
+    for i, question in enumerate(questions):
+        good, bad = f'Doc 1(Title: "g{i}") answer', f'Doc 1(Title: "b{i}") other'
+        texts += [good, bad]
+        vectors += [q[i], torch.nn.functional.normalize(torch.randn(8, generator=gen), dim=-1)]
+        train += [JudgeExample(f"q{i}", question, good, S, "search"), JudgeExample(f"q{i}", question, bad, NO, "search")]
+        evidence += [JudgeExample(f"q{i}", question, good + "\n" + bad, S, "search"),
+                     JudgeExample(f"q{i}", question, bad, NO, "negative")]
+    embedded = Embedded({x: k for k, x in enumerate(questions)}, {t: k for k, t in enumerate(texts)}, q,
+                        torch.stack(vectors))
+    return embedded, train, evidence
+
+
+def test_the_gate_is_calibrated_on_cross_fitted_training_evidence(monkeypatch, one_thread):
+    """Each training question's evidence is scored by a head fitted without its fold; on evidence a head
+    separates, the threshold separates it too, and the record says how it was chosen."""
+    from eviback.train import judge_builder
+    from eviback.train.judge_builder import calibrate_gate, question_fold
+
+    embedded, train, evidence = _synthetic(20)
+    assert len({question_fold(e.question_id, 5, 0) for e in evidence}) == 5
+    fitted_on = []
+    real = judge_builder.fit_head
+
+    def spy(features, examples):
+        fitted_on.append({e.question_id for e in examples})
+        return real(features, examples)
+
+    monkeypatch.setattr(judge_builder, "fit_head", spy)
+    record = calibrate_gate(embedded, train, evidence, seed=0)
+    # five heads, each without one fold's questions: every question's evidence scored by a head without it
+    assert len(fitted_on) == 5 and all(len(questions) < 20 for questions in fitted_on)
+    everyone = {f"q{i}" for i in range(20)}
+    assert set.union(*(everyone - questions for questions in fitted_on)) == everyone
+    assert record["method"] == "cross-fitted" and record["folds"] == 5 and record["gate"] == 1.0
+    assert (record["n"], record["n_i"], record["n_open"]) == (40, 20, 20) and 0 < record["threshold"] < 1
+
+
+def test_evidence_that_cannot_calibrate_keeps_the_default_threshold(one_thread):
+    from eviback.train.judge_builder import calibrate_gate
+
+    embedded, train, evidence = _synthetic(20)
+    one = [e for e in evidence if e.question_id == "q0"]  # one question: one fold, nothing to cross-fit
+    record = calibrate_gate(embedded, train, one, seed=0)
+    assert record["threshold"] == 0.5 and "one calibration fold" in record["skipped"]
+    for kept, missing in ((S, "no I text"), (NO, "no S or A text")):
+        record = calibrate_gate(embedded, train, [e for e in evidence if e.label is kept], seed=0)
+        assert record["threshold"] == 0.5 and missing in record["skipped"]

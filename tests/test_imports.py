@@ -22,7 +22,7 @@ LAYERS = (
     {"types", "metrics", "protocol", "data", "queries", "cache", "settings", "dtype", "device", "templates", "log_format", "stats",
      "unavailable", "vllm_process", "disk"},
     {"policy", "retrieval", "generation", "backoff"},
-    {"rollout", "teacher", "evaluate", "viewer"},
+    {"rollout", "teacher", "evaluate", "viewer", "prepare"},
     {"train", "ape"},
     {"experiment"},
     {"commands", "cli"},

@@ -13,13 +13,33 @@ from pathlib import Path
 import pytest
 
 from eviback import log_format
-from eviback.log_format import KNOWN_NOISE, OWN_PROGRESS, foreign_lines, quiet, quiet_stderr
+from eviback.log_format import (
+    KNOWN_NOISE,
+    OWN_PROGRESS,
+    foreign_lines,
+    foreign_records,
+    log_lines,
+    quiet,
+    quiet_stderr,
+)
 
 SRC = Path(log_format.__file__).parent
 
 
+# What configure_logging sets in the environment where the user has not: restored after each test, so that no
+# later test, nor a command it starts, inherits a test's choice (-v's DEBUG for vLLM).
+SET_BY_CONFIGURE = ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
 @pytest.fixture
-def quiet_mode():
+def restored_environment(monkeypatch):
+    for name in SET_BY_CONFIGURE:
+        monkeypatch.delenv(name, raising=False)  # noted, and put back as it was after the test
+    return monkeypatch
+
+
+@pytest.fixture
+def quiet_mode(restored_environment):
     """The command line's default level (INFO), then -v's (DEBUG) restored to whatever it was."""
     before = log_format._verbose
     log_format.configure_logging(logging.INFO)
@@ -53,6 +73,7 @@ def test_foreign_lines_finds_each_kind_of_third_party_line():
         "15:24:40 DEBUG bm25s: Building index from IDs objects",
         "[W1202 15:33:00.027318566 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory allocation",
         "[transformers] Ignoring clean_up_tokenization_spaces=True for BPE tokenizer TokenizersBackend.",
+        "(MainProcess pid=3976) WARNING 12-05 12:12:24 [cpu_worker.py:114] libtcmalloc is not found in LD_PRELOAD.",
         "classifier.weight | MISSING | ",
         "{'loss': '8.478e-08', 'grad_norm': '6.469e-05', 'learning_rate': '1e-06'}",
         "Writing model shards: 100%|██████████| 1/1 [00:01<00:00,  1.05s/it]\x1b[A",
@@ -86,6 +107,76 @@ def test_a_known_log_record_is_dropped_at_its_logger_and_only_there(quiet_mode, 
     assert [r.getMessage() for r in caplog.records] == ["a tokenizer warning nobody knows"]
 
 
+# What vLLM 0.31's CPU engine logged at every start of `eviback eval` before they were known (`arg_utils`,
+# `cpu.py`, `cpu_worker`); the others of that log (the SSM cache type, the model runner, `set_num_threads`) are
+# no longer said: eviback passes what vLLM would pick.
+VLLM_START = [
+    ("vllm.engine.arg_utils", "The global random seed is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                              "False, this may affect the random state of the Python process that launched vLLM."),
+    ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected on x86 CPUs."),
+    ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best performance, please follow the "
+                                  "section `set LD_PRELOAD` in https://docs.vllm.ai/en/latest/getting_started/"
+                                  "installation/cpu/ to setup required pre-loaded libraries."),
+    ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD. For best performance, please follow ..."),
+]
+
+
+def test_a_vllm_engine_start_says_nothing_known_and_everything_else(quiet_mode, caplog):
+    caplog.set_level(logging.INFO)
+    for name, message in VLLM_START:
+        logging.getLogger(name).warning(message)
+    logging.getLogger("vllm.engine.arg_utils").warning("The global random seed is set to 7. Since "
+                                                        "VLLM_ENABLE_V1_MULTIPROCESSING is set to False, ...")
+    unknown = "Available memory on node 0 is less than desired CPU memory utilization"
+    logging.getLogger("vllm.v1.worker.cpu_worker").warning(unknown)
+    assert [r.getMessage() for r in caplog.records] == [unknown]
+
+
+def test_a_weight_push_says_only_what_did_not_load(quiet_mode, caplog):
+    """The rotary table is never among a checkpoint's weights; a tied head is silenced around the push of a
+    model that ties it (VllmBackend.update_weights), and a layer that loaded nothing says so."""
+    caplog.set_level(logging.INFO)
+    reload = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    with quiet("vllm-reload-tied-head"):
+        reload.warning("RotaryEmbedding: Failed to load weights")
+        reload.warning("ParallelLMHead: Failed to load weights")
+        reload.warning("QKVParallelLinear: Failed to load weights")  # a layer with weights of its own: shown
+    reload.warning("Llama3RotaryEmbedding: Failed to load weights")
+    reload.warning("ParallelLMHead: Failed to load weights")  # an untied head's push: shown
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights",
+                                                        "ParallelLMHead: Failed to load weights"]
+
+
+def test_vllms_own_lines_go_to_stderr_at_warning_unless_the_user_chose(quiet_mode, monkeypatch):
+    for name in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)  # quiet_mode set them
+    log_format.configure_logging(logging.INFO)
+    # stdout is a command's results; WARNING, not the ERROR that TRL's import would set
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr" and os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    log_format.configure_logging(logging.INFO)
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout" and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
+def test_log_lines_finds_a_log_on_a_commands_stdout():
+    results = ["| benchmark | n | EM | F1 |", "|---|---:|---:|---:|", "| nq | 4 | 0.000 | 0.000 |",
+               "items: /runs/eval/items.jsonl", "## What happened (the top of the report)", "{", '  "total": 10']
+    logged = ["(MainProcess pid=3976) WARNING 12-05 12:12:10 [arg_utils.py:1910] The global random seed is set",
+              "12:12:10 INFO eviback.evaluate: 4 questions in 1 benchmarks",
+              "/x/trl/trainer/grpo_trainer.py:12: UserWarning: You are using 'rollout_func'",
+              "\x1b[33mERROR\x1b[0m something"]
+    assert log_lines("\n".join(results + logged)) == [line.replace("\x1b[33m", "").replace("\x1b[0m", "")
+                                                      for line in logged]
+
+
+def test_foreign_records_are_the_records_of_other_loggers():
+    records = [logging.LogRecord(name, logging.WARNING, __file__, 1, message, None, None)
+               for name, message in [("eviback.train.runner", "ours"), ("eviback", "ours too"),
+                                     ("evibackish", "not ours"), ("vllm.platforms.cpu", "theirs")]]
+    assert foreign_records(records) == ["WARNING evibackish: not ours", "WARNING vllm.platforms.cpu: theirs"]
+
+
 def test_the_new_classifier_head_report_is_dropped_around_the_build_only(quiet_mode, caplog):
     caplog.set_level(logging.INFO)
     loader = logging.getLogger("transformers.modeling_utils")
@@ -99,7 +190,7 @@ def test_the_new_classifier_head_report_is_dropped_around_the_build_only(quiet_m
     assert [r.getMessage() for r in caplog.records] == [other, head]
 
 
-def test_verbose_shows_everything(caplog):
+def test_verbose_shows_everything(caplog, restored_environment):
     before = log_format._verbose
     log_format.configure_logging(logging.DEBUG)
     try:

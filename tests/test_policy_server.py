@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from eviback.evaluate import EvalConfig
-from eviback.generation import BackendConfig, FinishReason, SamplingConfig
+from eviback.generation import BackendConfig, EngineSettings, FinishReason, SamplingConfig
 from eviback.generation.server import (
     LOGPROBS_MODE,
     PROBE,
@@ -94,14 +94,18 @@ def test_each_prompt_is_one_request_of_token_ids_with_the_rollouts_settings(toke
         assert body["model"] == "policy" and body["return_token_ids"] is True
         assert body["temperature"] == 0.7 and body["top_p"] == 0.9 and body["logprobs"] == 0
         assert body["stop"] == list(params.stop) and body["include_stop_str_in_output"] is True
+        # nothing left for the server to fill from the model's generation_config.json (Qwen3: top_k=20)
+        assert body["top_k"] == 0 and body["min_p"] == 0.0 and body["repetition_penalty"] == 1.0
+        assert body["presence_penalty"] == 0.0 and body["frequency_penalty"] == 0.0
+        assert "seed" not in body  # unseeded by default: vLLM samples seeded rows one at a time
     assert backend.max_context == 4096 and backend.info.dtype == "bfloat16"
 
 
-def test_rows_get_their_own_seeds_and_reseed_repeats_them(tokenizer):
-    """A batched request shares one seed, which would give a group's identical prompts identical samples: each
-    row gets its own, and reseed makes the next calls send the same seeds again."""
+def test_seeded_rows_get_their_own_seeds_and_reseed_repeats_them(tokenizer):
+    """With `seeded`, each row gets its own seed (a batched request's one seed would give a group's identical
+    prompts identical samples), and reseed makes the next calls send the same seeds again."""
     server = FakeServer(tokenizer)
-    backend = server.backend()
+    backend = server.backend(seeded=True)
     group = [[1, 2, 3]] * 5
     backend.reseed(7)
     backend.generate(group, SamplingConfig(max_tokens=8))
@@ -189,11 +193,9 @@ def test_the_weight_push_needs_the_trainer_on_a_gpu(tokenizer):
 
 def test_settings_are_checked_before_any_connection():
     with pytest.raises(ValueError, match="http\\(s\\) URL"):
-        BackendConfig(backend="vllm-server", policy_url="localhost:8002")
+        BackendConfig(backend="vllm-server", engine=EngineSettings(policy_url="localhost:8002"))
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        BackendConfig(backend="vllm-server", policy_timeout_s=0)
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        EvalConfig(backend="vllm-server", policy_timeout_s=-1)
+        EngineSettings(policy_timeout_s=0)
     with pytest.raises(ValueError, match="concurrency"):
         ServerConfig(concurrency=0)
 
@@ -404,8 +406,9 @@ def test_eval_hands_its_timeout_to_the_server_client(monkeypatch):
 
     seen = []
     monkeypatch.setattr(evaluate, "load_backend", lambda config: seen.append(config) or object())
-    evaluate._load_backend(EvalConfig(backend="vllm-server", policy_url="http://gpu7:8002", policy_timeout_s=42))
-    assert seen[0].server_config() == ServerConfig(url="http://gpu7:8002", timeout_s=42)
+    engine = EngineSettings(policy_url="http://gpu7:8002", policy_timeout_s=42)
+    evaluate._load_backend(EvalConfig(backend="vllm-server", engine=engine))
+    assert seen[0].engine.server_config() == ServerConfig(url="http://gpu7:8002", timeout_s=42)
 
 
 def test_a_shared_engine_is_pushed_by_the_main_process_alone_and_the_others_wait():

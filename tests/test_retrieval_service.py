@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
+from eviback.log_format import foreign_lines, log_lines
 from eviback.retrieval import ClientConfig, build_index, load_retriever
 from eviback.retrieval.client import RetrievalClient, RetrievalError, RetrieverUnavailable
 from test_retrieval import BM25_QUERIES, write_corpus
@@ -50,11 +51,11 @@ class Server:
     def start(self) -> "Server":
         self.process = subprocess.Popen(
             [sys.executable, "-m", "eviback.cli", "serve", str(self.index), "--port", str(self.port), *self.options],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.process.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.process.stdout.read()}{self.process.stderr.read()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
@@ -66,6 +67,10 @@ class Server:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=20)
+
+    def output(self) -> tuple[str, str]:
+        """What the last process started wrote, (stdout, stderr), once it has stopped."""
+        return self.process.stdout.read(), self.process.stderr.read()
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
@@ -259,6 +264,8 @@ def test_client_retries_across_a_server_restart(index, caplog):
         server.stop()
         client.close()
     assert not errors
+    out, err = server.output()  # the restarted service's, until its stop: eviback's lines only, none on stdout
+    assert foreign_lines(err) == [] and log_lines(out) == [], (err, out)
     assert all(r == expected for r in results)
     retried = [r.getMessage() for r in caplog.records if "retrieval attempt" in r.getMessage()]
     assert retried, "the client should have retried while the server was down"

@@ -118,4 +118,4 @@ def test_the_retrieval_service_the_teacher_and_the_policy_server_default_to_diff
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).port == POLICY_PORT and POLICY_URL.endswith(f":{POLICY_PORT}")
-    assert TrainConfig().policy_url == EvalConfig().policy_url == POLICY_URL
+    assert TrainConfig().engine.policy_url == EvalConfig().engine.policy_url == POLICY_URL

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from eviback.log_format import foreign_lines
 from eviback.protocol import apply_chat_template, render_observation
 from eviback.queries import contains_words
 from eviback.train import sft
@@ -149,3 +150,5 @@ def test_cli_dry_run_counts_examples():
     assert selected["total"] == 10 and selected["multi"] + selected["retry"] == 3 and selected["multi"] >= 1
     assert set(counts["build"]["considered"]) == {"popqa", "musique"}
     assert "<search>" in result.stdout and "</answer>" in result.stdout
+    # its log: eviback's lines only (its stdout is an example's text, passages included: not checked for levels)
+    assert foreign_lines(result.stderr) == [], "\n".join(foreign_lines(result.stderr))

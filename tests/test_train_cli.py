@@ -16,6 +16,7 @@ import yaml
 
 from eviback.backoff import BackoffConfig, group_advantages
 from eviback.types import Verdict, from_dict
+from log_checks import assert_clean_run
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,8 @@ def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True):
     config.write_text(yaml.safe_dump({**TINY, "max_steps": steps}))
     command = [sys.executable, "-m", "eviback.cli", "train", "--config", str(config),
                "--output", str(tmp_path / name), *extra]
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRL_EXPERIMENTAL_SILENCE", None)  # what a user's shell has: TRL's notices are eviback's to silence
     if not wait:
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=1500)
@@ -55,6 +57,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     # the command ends with what the run did, the sentences that open its report
     assert "## What happened (the top of the report)" in result.stdout and "- This run trained" in result.stdout
+    assert_clean_run(result)  # its log: eviback's lines and progress bars only, none on stdout
     run = tmp_path / "run"
     assert yaml.safe_load((run / "config.yaml").read_text())["max_steps"] == 2
     metrics = records(run / "metrics.jsonl")

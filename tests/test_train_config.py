@@ -158,6 +158,7 @@ SETTING_NAMES = {
     "seed", "build_seed", "report_to", "eval_benchmarks", "eval_limit", "eval_warm_start", "keep_rollout_steps",
     "teacher_stage_a", "judge_max_questions", "judge_epochs", "judge_rollouts", "teacher_stage_b", "teacher_span_words",
     "device", "judge_base_model", "accept_weak_judge", "retrieval_deadline_s", "judge_architecture",
+    "gpu_memory_utilization", "vllm_sleep_level", "vllm_executor",
 }
 
 

@@ -206,3 +206,55 @@ def test_fast_update_gives_trls_loss_and_gradients(tmp_path, dtype, tol, max_pad
         assert g.abs().sum() > 0, name
         err = (fast[3][name] - g).norm() / g.norm()
         assert err < tol, (name, float(err))
+
+
+class MatmulDtypes:
+    """Records the dtype of every matrix product dispatched inside the block."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+        products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in products:
+                    seen.append(args[-1].dtype)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_the_chunked_head_computes_in_the_autocast_dtype_in_both_passes(kept):
+    """fp32 weights under bf16 autocast (the trainer on a GPU): the head's forward and backward matmuls all run
+    in bf16, so the backward's probabilities are the forward's; its gradients equal autograd's through the same
+    bf16 logits. Logits that fit `keep_logits_bytes` in bf16 are kept for the backward (two products a chunk
+    there, not three)."""
+    torch.manual_seed(0)
+    n, hidden_size, vocab, chunk = 6, 16, 40, 4
+    hidden = torch.randn(n, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    target = torch.randint(0, vocab, (n,))
+    keep = n * vocab * 2 if kept else 0  # exactly the bf16 logits
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulDtypes() as forward:
+        logps, _ = token_logprobs(hidden, weight, target, temperature=0.8, chunk_tokens=chunk, keep_logits_bytes=keep)
+    with MatmulDtypes() as backward:
+        logps.sum().backward()
+    chunks = -(-n // chunk)
+    assert forward.seen == [torch.bfloat16] * chunks
+    assert backward.seen == [torch.bfloat16] * ((2 if kept else 3) * chunks)
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    z = (h.bfloat16() @ w.bfloat16().t()).float() / 0.8
+    torch.log_softmax(z, dim=-1).gather(1, target[:, None]).sum().backward()
+    torch.testing.assert_close(logps.detach(), torch.log_softmax(z, dim=-1).gather(1, target[:, None]).squeeze(1).detach(),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden.grad, h.grad, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(weight.grad, w.grad, rtol=0.02, atol=0.02)

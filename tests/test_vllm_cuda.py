@@ -27,7 +27,6 @@ from eviback.generation.vllm import (
     VllmConfig,
     engine_device,
     get_vllm_backend,
-    kv_cache_gib,
     resolved_config,
     sleep_enabled,
 )
@@ -187,13 +186,6 @@ def test_equal_engines_have_equal_resolved_configs():
     assert asked == explicit and asked.sleep is True and asked.device == "cuda:0"
     assert resolved_config(VllmConfig(dtype="float32", sleep=True), "cpu").sleep is False
 
-
-def test_kv_cache_sizing():
-    # Qwen3-0.6B: 28 layers, 8 KV heads of 128, bf16: 112 KiB per token
-    per_token = kv_cache_gib(1, layers=28, kv_heads=8, head_dim=128) * GIB
-    assert per_token == 112 * 1024
-    assert kv_cache_gib(80 * 4096, layers=28, kv_heads=8, head_dim=128) == pytest.approx(35.0)
-    assert kv_cache_gib(10, layers=2, kv_heads=1, head_dim=4, dtype_bytes=4) == 2 * 2 * 4 * 4 * 10 / GIB
 
 # --------------------------------------------------------------------------------------------------
 # Where the engine runs, and the refusals

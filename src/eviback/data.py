@@ -76,19 +76,20 @@ def open_text(path: str | os.PathLike, mode: str = "r") -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
-def _json_line(line: str, path: str | os.PathLike, number: int) -> Any:
+def parse_json_line(line: str, path: str | os.PathLike, number: int) -> Any:
+    """The object on line `number` of `path`; invalid JSON raises DataError naming the file and line."""
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
 
 
-def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) per non-blank line; raises DataError on invalid JSON."""
+def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) per non-blank line, streaming; raises DataError on invalid JSON."""
     with open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if line.strip():
-                yield number, _json_line(line, path, number)
+                yield number, parse_json_line(line, path, number)
 
 
 def _parse_lines(
@@ -102,7 +103,7 @@ def _parse_lines(
             if not line.strip():
                 continue
             try:
-                record = parse(_json_line(line, path, number), path, number)
+                record = parse(parse_json_line(line, path, number), path, number)
             except DataError as e:
                 if not skip_bad:
                     raise
@@ -217,7 +218,7 @@ def _gz_writer(path: Path) -> IO[str]:
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[Any]:
     """Parsed objects of a JSONL file, streaming; invalid JSON raises DataError with file and line."""
-    for _, obj in _iter_json_lines(path):
+    for _, obj in iter_json_lines(path):
         yield obj
 
 
@@ -286,45 +287,88 @@ def write_search_r1_parquet(path: str | os.PathLike, questions: Iterable[Questio
     pq.write_table(pa.Table.from_pylist(rows), str(path))
 
 
-def read_search_r1_parquet(path: str | os.PathLike, report: ReadReport | None = None) -> list[Question]:
-    """Questions from a Search-R1 training parquet. The question text comes from the `question` column
-    when present, else from the prompt (Search-R1's prefix removed). `report`, when given, counts the rows
-    read and notes their gold-answer warnings, by row number."""
+SEARCH_R1_COLUMNS = ("id", "question", "data_source", "prompt", "reward_model", "extra_info")  # what is read
+
+
+def search_r1_row_to_question(row: Any, path: str | os.PathLike = "<memory>", number: int = 0) -> Question:
+    """One row of Search-R1's layout (a parquet row as a dict, or a JSON object with the same fields) as a
+    Question. The golds are `reward_model.ground_truth.target`; the text is the `question` field when
+    present, else the prompt with Search-R1's prefix removed; the id is the `id` field when present, else
+    `<data_source>_<extra_info.index>`. `dataset` is the `data_source`, `split` is `extra_info.split`."""
+    if not isinstance(row, dict):
+        raise DataError(path, number, f"expected an object, got {type(row).__name__}")
+    try:
+        golds = row["reward_model"]["ground_truth"]["target"]
+    except (KeyError, TypeError):
+        raise DataError(path, number, "missing field 'reward_model.ground_truth.target'") from None
+    golds = [str(g) for g in (golds if isinstance(golds, list) else [golds]) if g is not None and str(g).strip()]
+    if not golds:
+        raise DataError(path, number, "field 'reward_model.ground_truth.target' is empty")
+    text = row.get("question")
+    if not text:
+        prompt = row.get("prompt")
+        first = prompt[0] if isinstance(prompt, list) and prompt else None
+        content = first.get("content") if isinstance(first, dict) else None
+        if not isinstance(content, str) or not content.startswith(PROMPT_PREFIX):
+            raise DataError(path, number, "no 'question' field and the prompt is not Search-R1's")
+        text = content[len(PROMPT_PREFIX):].rstrip("\n")
+    if not isinstance(text, str) or not text.strip():
+        raise DataError(path, number, "field 'question' must be a non-empty string")
+    extra = row.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise DataError(path, number, "field 'extra_info' must be an object")
+    return Question(
+        id=str(row.get("id") or f"{row.get('data_source', 'row')}_{extra.get('index', number - 1)}"),
+        question=text,
+        golden_answers=tuple(golds),
+        dataset=str(row.get("data_source") or ""),
+        split=str(extra.get("split") or ""),
+    )
+
+
+def parquet_rows(path: str | os.PathLike) -> int:
+    """The number of rows of a parquet file, from its footer (nothing else is read)."""
+    return int(_parquet_file(path).metadata.num_rows)
+
+
+def _parquet_file(path: str | os.PathLike) -> Any:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(str(path))
-    columns = set(table.column_names)
+    try:
+        return pq.ParquetFile(str(path))
+    except pa.ArrowInvalid as e:  # not parquet (a missing file raises FileNotFoundError, as it is)
+        raise DataError(path, None, f"not a readable parquet file ({e})") from None
+
+
+def iter_search_r1_parquet(
+    path: str | os.PathLike, report: ReadReport | None = None, *, batch_size: int = 4096
+) -> Iterator[Question]:
+    """The questions of a Search-R1 parquet, streaming: `batch_size` rows in memory at a time, and only the
+    columns in :data:`SEARCH_R1_COLUMNS` read. Row `i` (1-based) is question `i`; a bad row raises DataError
+    naming the file and the row. `report`, when given, counts the rows read and notes their gold-answer
+    warnings, by row number."""
+    parquet = _parquet_file(path)
+    columns = set(parquet.schema_arrow.names)
     for needed in ("prompt", "reward_model"):
         if needed not in columns:
             raise DataError(path, None, f"missing column {needed!r} (not a Search-R1 parquet?)")
-    questions = []
-    for row_number, row in enumerate(table.to_pylist(), start=1):
-        try:
-            golds = row["reward_model"]["ground_truth"]["target"]
-        except (KeyError, TypeError):
-            raise DataError(path, row_number, "missing field 'reward_model.ground_truth.target'") from None
-        golds = [str(g) for g in (golds if isinstance(golds, list) else [golds]) if str(g).strip()]
-        if not golds:
-            raise DataError(path, row_number, "field 'reward_model.ground_truth.target' is empty")
-        text = row.get("question")
-        if not text:
-            content = row["prompt"][0]["content"] if row["prompt"] else ""
-            if not content.startswith(PROMPT_PREFIX):
-                raise DataError(path, row_number, "no 'question' column and the prompt is not Search-R1's")
-            text = content[len(PROMPT_PREFIX):].rstrip("\n")
-        extra = row.get("extra_info") or {}
-        question = Question(
-            id=str(row.get("id") or f"{row.get('data_source', 'row')}_{extra.get('index', row_number - 1)}"),
-            question=text,
-            golden_answers=tuple(golds),
-            dataset=str(row.get("data_source") or ""),
-            split=str(extra.get("split") or ""),
-        )
-        questions.append(question)
-        if report is not None:
-            report.read += 1
-            report.warnings.extend(gold_warnings(question, path, row_number))
-    return questions
+    number = 0
+    for batch in parquet.iter_batches(batch_size=batch_size, columns=[c for c in SEARCH_R1_COLUMNS if c in columns]):
+        for row in batch.to_pylist():
+            number += 1
+            question = search_r1_row_to_question(row, path, number)
+            if report is not None:
+                report.read += 1
+                report.warnings.extend(gold_warnings(question, path, number))
+            yield question
+
+
+def read_search_r1_parquet(path: str | os.PathLike, report: ReadReport | None = None) -> list[Question]:
+    """Questions from a Search-R1 training parquet (see :func:`iter_search_r1_parquet`). The question text
+    comes from the `question` column when present, else from the prompt (Search-R1's prefix removed).
+    `report`, when given, counts the rows read and notes their gold-answer warnings, by row number."""
+    return list(iter_search_r1_parquet(path, report))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -234,3 +234,16 @@ def reset() -> None:
     with _lock:
         _placed.clear()
         _logged.clear()
+
+
+def memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA `device` (`cuda:N`) as this process can use them: what the driver reports
+    free plus what torch's caching allocator holds unused (its reserved blocks are free to this process).
+    Raises ValueError for the CPU, whose memory no engine plans against."""
+    import torch
+
+    if not device.startswith("cuda"):
+        raise ValueError(f"memory() is for CUDA devices, got {device!r}")
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached), int(total)

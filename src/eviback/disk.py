@@ -78,6 +78,22 @@ def size_on_disk(path: str | Path) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
 
+def checkpoint_parameters(model_dir: str | Path) -> int:
+    """The number of parameters a Hugging Face checkpoint holds, from its safetensors headers (shapes only:
+    nothing is loaded); each tensor counted once, as the model's tied weights are stored once."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no .safetensors weights to size the run's checkpoints from")
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors file is not iterable)
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
 def tensor_bytes(tensors: Iterable[Any]) -> int:
     """Bytes of `tensors` (anything with numel and element_size), each storage counted once."""
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
@@ -103,6 +119,16 @@ class RunFootprint:
         final = tensor_bytes((master if master is not None else model).parameters())
         to_write = math.ceil(steps_left / save_steps) if save_steps and steps_left > 0 else 0
         return cls(weights + 2 * optimised, final, to_write, save_total_limit)
+
+    @classmethod
+    def planned(cls, parameters: int, *, masters: bool, steps_left: int, save_steps: int,
+                save_total_limit: int) -> RunFootprint:
+        """The footprint of a run training a policy of `parameters` parameters, before anything is loaded: a bf16
+        model with fp32 masters (`masters`: 2 + 4 bytes a parameter, AdamW's moments 8 on the masters) or an fp32
+        model (4, moments 8); the final model in fp32. :meth:`of` counts the same from the tensors."""
+        weights = (2 + 4) * parameters if masters else 4 * parameters
+        to_write = math.ceil(steps_left / save_steps) if save_steps and steps_left > 0 else 0
+        return cls(weights + 8 * parameters, 4 * parameters, to_write, save_total_limit)
 
     @property
     def first_write(self) -> int:

@@ -33,10 +33,10 @@ from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback import retrieval
 from eviback.data import BENCHMARKS_MULTI_HOP, BENCHMARKS_SINGLE_HOP, DataError, load_suite, read_questions
-from eviback.generation import BACKENDS, VLLM_SERVER, BackendConfig, load_backend
+from eviback.generation import BACKENDS, BackendConfig, EngineSettings, load_backend
 from eviback.generation.base import GenerationBackend
-from eviback.generation.server import DEFAULT_URL as SERVER_URL
-from eviback.generation.server import ServerConfig, VllmServerBackend
+from eviback.generation.memory import STANDALONE_UTILIZATION
+from eviback.generation.server import VllmServerBackend
 from eviback.metrics import (
     METRIC_NOTE,
     AnswerScores,
@@ -351,9 +351,8 @@ class EvalConfig:
     device: str = field(default="auto", metadata={"help": devices.HELP})
     backend: str = field(default="vllm", metadata={"help": "vllm, hf, or vllm-server (the policy served at policy_url; "
                          "model names it, for its tokenizer)", "identity": True})
-    policy_url: str = field(default=SERVER_URL, metadata={"help": "backend vllm-server: the policy server's base URL"})
-    policy_timeout_s: float = field(default=600.0, metadata={"help": "backend vllm-server: seconds one generation "
-                                    "request may take before the evaluation stops (its answers so far are kept)"})
+    engine: EngineSettings = field(default_factory=EngineSettings, metadata={"help": "the engine's own settings "
+                                   "(the policy server's URL and timeout, the GPU memory share)"})
     rollout: RolloutConfig = field(default_factory=greedy, metadata={
         "help": f"turn and token limits (RolloutConfig; max_turns {EVAL_MAX_TURNS} by default); its sampling "
                 "settings are always greedy's"})
@@ -367,10 +366,10 @@ class EvalConfig:
         check_fields(self)  # a wrong type is refused by name; the ranges below compare numbers
         if not isinstance(self.rollout, RolloutConfig):
             raise ValueError(f"EvalConfig.rollout must be a RolloutConfig, got {type(self.rollout).__name__}")
+        if not isinstance(self.engine, EngineSettings):
+            raise ValueError(f"EvalConfig.engine must be an EngineSettings, got {type(self.engine).__name__}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == VLLM_SERVER:
-            self.server_config()  # checks the URL and the timeout
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 (or None: the default), got {self.kv_cache_gib}")
         if self.threads is not None and self.threads < 1:
@@ -386,10 +385,6 @@ class EvalConfig:
         devices.check_device(self.device)
         # what runs is recorded: a rollout given with sampling settings is evaluated (and saved) as greedy
         object.__setattr__(self, "rollout", greedy(self.rollout))
-
-    def server_config(self) -> ServerConfig:
-        """How to reach the policy server (backend vllm-server)."""
-        return ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)
 
     def out_dir(self) -> Path:
         if self.out:
@@ -546,7 +541,9 @@ def _load_backend(config: EvalConfig) -> GenerationBackend:
     backend = load_backend(BackendConfig(
         backend=config.backend, model=config.model, dtype=config.dtype, device=config.device,
         max_model_len=max(4096, config.rollout.max_context_tokens), kv_cache_gib=config.kv_cache_gib, threads=config.threads,
-        policy_url=config.policy_url, policy_timeout_s=config.policy_timeout_s,
+        # an evaluation's engine shares its GPU with no trainer: it takes most of it unless told
+        engine=dataclasses.replace(config.engine, gpu_memory_utilization=config.engine.gpu_memory_utilization
+                                   or STANDALONE_UTILIZATION),
     ))
     if isinstance(backend, VllmServerBackend) and backend.info.root != resolve_model(config.model, config.dtype):
         log.warning("the policy server at %s serves %s, and this evaluation names %s: the results are the served "

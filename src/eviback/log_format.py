@@ -15,7 +15,8 @@ is emitted and nowhere else:
 
 `-v` (:func:`configure_logging` at DEBUG) turns all of it off: every line of every library is shown.
 :func:`foreign_lines` is the other side: the lines of a log that are neither eviback's nor a progress bar
-(what a test of a clean log looks for).
+(what a test of a clean log looks for); :func:`log_lines` the log lines that went to stdout, where a command
+writes its results only, and :func:`foreign_records` the third-party records of a command run in process.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -86,6 +87,37 @@ KNOWN_NOISE: dict[str, Noise] = {
     "vllm-numa": Noise(
         stderr=True, pattern=r"NUMA binding: Using \w+ policy for memory allocation",
         why="vLLM's CPU worker binds its memory to the NUMA node of its cores, as it should, and says so from C++"),
+    "vllm-global-seed": Noise(
+        logger="vllm.engine.arg_utils", per_call=False,
+        pattern=r"^The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False",
+        why="an engine in this process (eviback's default executor) seeds the process's random generators as it "
+            "starts, and vLLM says so at every start whatever the seed; eviback's rollouts sample from a stream "
+            "of their own (generation.base.SamplerRNG), and a trainer seeds the generators again after the "
+            "engine has started (TrainingArguments.seed)"),
+    "vllm-cpu-triton": Noise(
+        logger="vllm.platforms.cpu", per_call=False,
+        pattern=r"^Triton is not installed\. triton-cpu is expected on x86 CPUs",
+        why="vLLM's CPU build does not install triton-cpu and runs without it (its C++ kernels, the V1 model "
+            "runner), as every CPU figure of eviback was measured; it says so at every engine start"),
+    "vllm-ld-preload": Noise(
+        logger="vllm.v1.worker.cpu_worker", per_call=False,
+        pattern=r"^(libtcmalloc|libiomp) is not found in LD_PRELOAD",
+        why="vLLM's CPU worker advises preloading tcmalloc and Intel's OpenMP for speed at every engine start; a "
+            "preload has to be in the environment before the process starts, which a command cannot do for "
+            "itself, and every CPU figure of eviback was measured without it"),
+    "vllm-reload-rotary": Noise(
+        logger="vllm.model_executor.model_loader.reload.layerwise", per_call=False,
+        pattern=r"^\w*RotaryEmbedding: Failed to load weights$",
+        why="vLLM's weight reload (a weight push after each optimiser step) expects the rotary embedding's "
+            "cos/sin table among the weights, which no checkpoint holds (it is computed from the model's config), "
+            "and keeps the table it has, which is the right one"),
+    "vllm-reload-tied-head": Noise(
+        logger="vllm.model_executor.model_loader.reload.layerwise",
+        pattern=r"^ParallelLMHead: Failed to load weights$",
+        why="a model whose output head is tied to its input embeddings (SmolLM2, Qwen3-0.6B) has no head weights "
+            "of its own to push: the head is the embeddings' tensor, which the push loads (measured: after a "
+            "push the engine's head equals the pushed embeddings). Silenced around the push of such a model "
+            "only: an untied head that loaded nothing keeps stale weights, and must say so"),
     # transformers
     "bpe-cleanup": Noise(
         logger="transformers.tokenization_utils_tokenizers", per_call=False,
@@ -101,6 +133,11 @@ KNOWN_NOISE: dict[str, Noise] = {
         logger="transformers.training_args", per_call=False,
         pattern=r"^torch\.distributed process group is initialized, but parallel_mode != ParallelMode\.DISTRIBUTED",
         why="vLLM's in-process engine opens a process group of one; the trainer of that one process needs no DDP"),
+    # matplotlib (a run's plots)
+    "matplotlib-font-cache": Noise(
+        logger="matplotlib.font_manager", per_call=False, pattern=r"^generated new fontManager$",
+        why="matplotlib builds its font cache the first time it is imported on a machine (a training run's "
+            "plots), and says so at INFO once"),
     # httpx (the retrieval client, the policy server's backend)
     "httpx-request": Noise(
         logger="httpx", per_call=False, pattern=r"^HTTP Request: ",
@@ -119,9 +156,10 @@ OWN_PROGRESS = ("", "eval", "building warm-start examples", "embed passages", "r
 
 
 def configure_logging(level: int) -> None:
-    """The command line's log format (also used by the child processes it starts). Below DEBUG (`-v`), the
-    known third-party noise is silenced at its loggers, and libraries that set their own logger below the
-    command's level (bm25s sets DEBUG) are held to it; at DEBUG nothing is silenced."""
+    """The command line's log format (also used by the child processes it starts), on stderr, vLLM's lines
+    included (stdout is a command's results). Below DEBUG (`-v`), the known third-party noise is silenced at
+    its loggers, and libraries that set their own logger below the command's level (bm25s sets DEBUG) are held
+    to it; at DEBUG nothing is silenced."""
     global _verbose
     logging.basicConfig(level=level, format=FORMAT, datefmt=DATEFMT)
     _verbose = level <= logging.DEBUG
@@ -129,6 +167,13 @@ def configure_logging(level: int) -> None:
         if noise.logger is not None and not noise.per_call:
             _install(logging.getLogger(noise.logger), _NoiseFilter(noise))
     _install(logging.getLogger("bm25s"), _LevelFloor())
+    # vLLM's own log handler: on stderr, in the log with every other line (it writes to stdout by default, where
+    # a command's results go: `eviback eval`'s table, what a user redirects to a file), at WARNING like every
+    # other library (DEBUG with -v): TRL, once imported, sets it to ERROR where nobody has, which hid every
+    # vLLM warning of a training run, unknown ones too. vLLM reads both when an engine starts, in this process
+    # or one it starts; a value the user set wins.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if _verbose else "WARNING")
     if not _verbose:
         # transformers' and huggingface_hub's own bars (loading weights, writing shards, converting a GGUF
         # file): steps inside a load that eviback logs itself. A value the user set wins.
@@ -279,3 +324,23 @@ def foreign_lines(log: str, own_progress: Sequence[str] = OWN_PROGRESS) -> list[
             foreign.append(line)
         previous_own = own
     return foreign
+
+
+LOG_RECORD = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b|\w*Warning: ")
+
+
+def log_lines(output: str) -> list[str]:
+    """The lines of `output` (a command's stdout) that look like a log record or a warning of any library,
+    eviback's included: a level name in capitals, or a Python warning (`FutureWarning: ...`). A command's
+    stdout holds its results (a table, paths, a summary); its log goes to stderr, where :func:`foreign_lines`
+    reads it."""
+    return [line.rstrip() for line in _ANSI.sub("", output).splitlines() if LOG_RECORD.search(line)]
+
+
+def foreign_records(records: Iterable[logging.LogRecord]) -> list[str]:
+    """`LEVEL logger: message` of each of `records` logged outside eviback: for a command run in the caller's
+    process (a test's `main([...])`), whose log records a capture takes before any handler writes them, what
+    :func:`foreign_lines` finds in a command's stderr. A known noise record dropped at its logger never
+    reaches a capture."""
+    return [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records
+            if r.name != "eviback" and not r.name.startswith("eviback.")]

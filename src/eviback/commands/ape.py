@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         seeds = tuple(dict.fromkeys((*args.seed_policy, *spec.search.seeds)))
         spec = dataclasses.replace(spec, search=dataclasses.replace(spec.search, seeds=seeds))
     config = _config(args)
-    result = run_ape(config, spec)
+    # its progress in the log, as eviback's lines (the library's default writes `[ape HH:MM:SS] ...` to stderr)
+    result = run_ape(config, spec, progress=logging.getLogger("eviback.ape").info)
     winner = result.selection.winner if result.selection else None
     if result.test is not None:
         t = result.test
@@ -114,11 +116,11 @@ def run(args: argparse.Namespace) -> int:
         for metric, a, b in comparison_rows(t):
             print(f"  {metric:62s} {a:40s} {b}")
     if winner is None:
-        print(f"no candidate passed every gate; see {config.out}/report.md for each reason", file=sys.stderr)
+        print(f"eviback ape: no candidate passed every gate; see {config.out}/report.md for each reason", file=sys.stderr)
         return 1
     if not result.frozen_path:
         reasons = "; ".join(result.confirmation.reasons) if result.confirmation else "no sealed-test confirmation"
-        print(f"nothing frozen: the sealed test did not confirm {winner}: {reasons}", file=sys.stderr)
+        print(f"eviback ape: nothing frozen: the sealed test did not confirm {winner}: {reasons}", file=sys.stderr)
         return 1
     print(f"\nwinner {winner}: frozen {result.frozen_path} version {result.frozen_version[:12]}\n"
           f"use it: eviback judge DUMP --policy {result.frozen_path}@{result.frozen_version[:12]}")

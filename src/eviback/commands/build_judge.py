@@ -9,9 +9,10 @@
 Examples come from training questions only (a question of an evaluation file is an error): real BM25
 searches and same-topic negatives, plus the given rollouts (the warm-started actor's, so that the judge
 learns the evidence it will judge). The judge reads each passage alone (S: holds a gold answer, A: a
-supporting passage without it, I: neither) and calls the evidence I when no passage is relevant; its
-held-out figures (the gate, I vs not-I, S vs I and kappa, on held-out questions' searches and rollouts) are
-printed and kept in its judge.json; a gate below 0.6 is reported WEAK (`eviback train` refuses such a judge
+supporting passage without it, I: neither) and calls the evidence I when no passage is relevant enough:
+the threshold is calibrated on the training questions' own evidence (`--threshold 0`, the default; never on
+the held-out questions) and kept in judge.json; its held-out figures (the gate, I vs not-I, S vs I and
+kappa, on held-out questions' searches and rollouts) are printed and kept in its judge.json; a gate below 0.6 is reported WEAK (`eviback train` refuses such a judge
 unless accept_weak_judge=true). The judge is saved under the cache (`$EVIBACK_CACHE/judges/evidence-judge-<key>`) and reused
 by a later build with the same inputs. Its directory holds `policy.json`: the two-stage policy whose Stage A
 is this judge (identified by the content hash of its files), ready for
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from eviback import dtype as dtypes
 from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge
@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> EvidenceJudgeConfig:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see `eviback sft`: spinning threads on busy cores
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    judge = build_judge(config_from_args(args), progress=lambda message: print(message, file=sys.stderr))
+    judge = build_judge(config_from_args(args))  # its progress in the log, as eviback.train.judge_builder's lines
     print(f"evidence judge: {judge.path}")
     print(f"policy with the judge as Stage A: {judge.policy_path}")
     return 0

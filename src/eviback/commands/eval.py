@@ -21,7 +21,8 @@ import sys
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.evaluate import EvalConfig, run_eval, summary_markdown
-from eviback.generation import BACKENDS
+from eviback.generation import BACKENDS, EngineSettings
+from eviback.generation.memory import STANDALONE_UTILIZATION
 from eviback.retrieval.client import RetrieverUnavailable
 from eviback.rollout import RolloutConfig
 from eviback.unavailable import ServiceUnavailable
@@ -49,11 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--backend", default=defaults.backend, choices=BACKENDS,
                        help="generation engine (default: %(default)s); vllm-server: the policy a `vllm serve` "
                             "process serves at --policy-url (`eviback serve-policy`), --model naming it")
-    model.add_argument("--policy-url", default=defaults.policy_url,
+    model.add_argument("--policy-url", default=defaults.engine.policy_url,
                        help="--backend vllm-server: the policy server's base URL (default: %(default)s)")
-    model.add_argument("--policy-timeout-s", type=float, default=defaults.policy_timeout_s,
+    model.add_argument("--policy-timeout-s", type=float, default=defaults.engine.policy_timeout_s,
                        help="--backend vllm-server: seconds one generation request may take before the evaluation "
                             "stops, keeping its answers so far (default: %(default)s)")
+    model.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="vLLM on a CUDA GPU: the share of its memory the engine takes (default: "
+                            f"{STANDALONE_UTILIZATION})")
     model.add_argument("--kv-cache-gib", type=float, help="vLLM on CPU: KV cache size in GiB (default 2)")
     model.add_argument("--threads", type=int, help="torch threads")
     rollout = parser.add_argument_group("rollout")
@@ -91,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         backend=args.backend,
-        policy_url=args.policy_url,
-        policy_timeout_s=args.policy_timeout_s,
+        engine=EngineSettings(policy_url=args.policy_url, policy_timeout_s=args.policy_timeout_s,
+                              gpu_memory_utilization=args.gpu_memory_utilization),
         rollout=RolloutConfig(topk=args.topk, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                               max_observation_tokens=args.max_observation_tokens,
                               max_context_tokens=args.max_context_tokens),
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(unavailable, RetrieverUnavailable):
             patience = f" (--retrieval-deadline-s waits longer, now {config.retrieval_deadline_s:g} s)"
         else:
-            patience = f" (--policy-timeout-s waits longer for a server that is only slow, now {config.policy_timeout_s:g} s)"
+            patience = f" (--policy-timeout-s waits longer for a server that is only slow, now {config.engine.policy_timeout_s:g} s)"
         print(f"eviback eval: {unavailable.describe()}, so the evaluation stopped. The questions already answered "
               f"are kept in {config.out_dir() / 'items.jsonl'}: once the {unavailable.service.removeprefix('the ')} "
               f"answers again ({unavailable.restart()}), rerun the same command to evaluate the rest{patience}.",

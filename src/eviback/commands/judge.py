@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         path = policies.freeze_policy(draft, args.out, {"frozen_from": args.freeze})
         print(f"froze {draft.name} version {draft.version} -> {path}")
         for reason in draft.boundary_violations():
-            print(f"warning: evidence boundary: {reason}", file=sys.stderr)
+            print(f"eviback judge: warning: evidence boundary: {reason}", file=sys.stderr)
         return 0
     if not args.dump:
         raise ValueError("give a DUMP file to judge (or --list-policies / --show-policy / --freeze)")
@@ -186,7 +186,7 @@ def _judge(args: argparse.Namespace) -> int:
         if isinstance(teacher.client, OpenAIChatClient):
             teacher.client.list_models()  # fail now, with the fix named, rather than once per rollout
         policy = teacher.policy
-        print(f"judging {len(trajectories)} rollouts with {policy.name} {policy.short_version} on "
+        print(f"eviback judge: judging {len(trajectories)} rollouts with {policy.name} {policy.short_version} on "
               f"{teacher.client.backend_id} (concurrency {args.concurrency})", file=sys.stderr)
         start = time.perf_counter()
         verdicts = teacher.judge(trajectories, sample_index=args.teacher_sample)
@@ -224,7 +224,7 @@ def _policy(args: argparse.Namespace) -> TeacherPolicy:
             settings.append("teacher_stage_a=prompted")
         train_config = resolve_config(args.preset, None, list(args.set) + settings)
         if not args.judge:
-            print(f"teacher: the one `eviback train{f' --preset {args.preset}' if args.preset else ''}` uses with "
+            print(f"eviback judge: teacher: the one `eviback train{f' --preset {args.preset}' if args.preset else ''}` uses with "
                   f"the {args.backend} backend"
                   + (" (its evidence judge is found in the cache, or built now as training builds it; --judge names "
                      "a cached one, --list-judges lists them)" if train_config.teacher.stage_a == "judge" and
@@ -244,7 +244,7 @@ def _stage_a_judge(policy: TeacherPolicy, ref: str) -> Competence | None:
     register_judge_beside(ref)
     check = competence(find_judge(sha))
     if check.weak:
-        print(f"warning: the evidence judge {check.judge} is weak: {check.figures()}; below the floor "
+        print(f"eviback judge: warning: the evidence judge {check.judge} is weak: {check.figures()}; below the floor "
               f"{check.floor}, `eviback train` refuses it as Stage A (unless accept_weak_judge=true)", file=sys.stderr)
     return check
 

@@ -151,7 +151,7 @@ def stop_message(error: ServiceUnavailable, config: TrainConfig, output: str, co
                     "service that is slow to load its index")
     else:
         patience = (f", which pushes the run's weights into the restarted server before its first rollout; "
-                    f"`--set policy_timeout_s=SECONDS` (now {config.policy_timeout_s:g}) waits longer for a server "
+                    f"`--set policy_timeout_s=SECONDS` (now {config.engine.policy_timeout_s:g}) waits longer for a server "
                     "that is only slow")
     return (f"eviback train: {error.describe()}, so the run stopped {where}; {redone}. Once the "
             f"{error.service.removeprefix('the ')} answers again ({error.restart()}), continue the run with "

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 # The choices of the engines' settings, here (no torch) so that a BackendConfig checks them when it is built
 EXECUTORS = ("inprocess", "multiprocess", "external_launcher")  # how a vLLM engine runs (VllmConfig.executor)
 HF_CACHES = ("auto", "dynamic", "static")  # the KV cache of the HF backend (BackendConfig.hf_cache)
+SLEEP_LEVELS = (1, 2)  # what a sleeping vLLM engine on a GPU gives back (VllmConfig.sleep_level)
 
 
 class FinishReason(enum.StrEnum):
@@ -198,23 +199,25 @@ def wake_backend(backend: object) -> None:
         wake()
 
 
-def push_weights(backend: object, model: Any, processes: Any) -> None:
+def push_weights(backend: object, model: Any, processes: Any, *, device: str | None = None) -> None:
     """Push `model`'s parameters into `backend`. One engine shared by every process (`backend.shared`: a policy
     server) is pushed by the main process alone while the others wait; a process's own engine is pushed by
     that process. `processes`: accelerate's Accelerator or PartialState (`is_main_process`,
-    `wait_for_everyone`)."""
+    `wait_for_everyone`). `device`: stage each tensor there on its way (one at a time, never the whole model),
+    for a model still on the CPU whose engine takes weights from a GPU (the policy server's NCCL push)."""
     if getattr(backend, "shared", False):
         if processes.is_main_process:
-            backend.update_weights(model.named_parameters())  # type: ignore[attr-defined]
+            backend.update_weights(staged_parameters(model, device))  # type: ignore[attr-defined]
         processes.wait_for_everyone()
     else:
-        backend.update_weights(model.named_parameters())  # type: ignore[attr-defined]
+        backend.update_weights(staged_parameters(model, device))  # type: ignore[attr-defined]
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
-    """Bytes of keys and values one token occupies in a KV cache (all layers): what sizes every engine's
-    cache (train/memory.py on the CPU, vllm.kv_cache_gib on a GPU)."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+def staged_parameters(model: Any, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model`'s named parameters, detached, each moved to `device` as it is read (None: where they are)."""
+    for name, parameter in model.named_parameters():
+        tensor = parameter.detach()
+        yield name, (tensor if device is None else tensor.to(device))
 
 
 def iter_weights(

@@ -6,11 +6,19 @@ each turn; vLLM's prefix cache does not. How it batches depends on where the mod
 
 - On the CPU, prompts are left-padded and run in micro-batches of similar length (`batch_size`, 16),
   because a CPU attention over a large padded batch runs out of memory long before it gains speed.
-- On a GPU, every prompt of a call (all rollouts active in a turn) is one `generate` call: decoding is bound
-  by reading the weights and the KV cache, and a larger batch reads the weights once for more tokens.
+- On a GPU, the prompts of a call (all rollouts active in a turn) go in as few `generate` calls as the memory
+  free for their KV cache holds (:func:`eviback.generation.memory.hf_rows_per_call`; one call when it all
+  fits): decoding is bound by reading the weights and the KV cache, and a larger batch reads the weights once
+  for more tokens.
   Decoding steps of a grouped-query model use :mod:`eviback.generation.attention` (no copy of the KV cache
   per step), and the KV cache is `cache` (`dynamic` grows per step; `static` is allocated once per call),
   optionally compiled (`compile`, transformers' own compilation of the decoding step).
+
+Sampling is eviback's own (:class:`TokenSampler`, the last logits processor): transformers decodes greedily
+over scores that single out the token the sampler drew, so none of the model's generation defaults
+(`top_k=50` from transformers, `top_k=20, top_p=0.95` from a Qwen3 checkpoint) truncate the distribution, and
+the recorded log-probability of each token is `log_softmax(logits / temperature)` (after top-p when asked),
+the trainer's own. A model whose generation defaults would add another processor is refused.
 
 Stop strings are found on token ids (:mod:`eviback.generation.stops`: one table look-up per row per step,
 on the model's device), never by decoding the batch; the ids are the same as decoding would stop at.
@@ -31,10 +39,9 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     StoppingCriteriaList,
-    TemperatureLogitsWarper,
-    TopPLogitsWarper,
 )
 
+from eviback import device as devices
 from eviback.generation.attention import use_grouped_decode_attention
 from eviback.generation.base import (
     HF_CACHES,
@@ -45,38 +52,125 @@ from eviback.generation.base import (
     iter_weights,
     request_caps,
 )
+from eviback.generation.memory import GIB, ModelShape, even_batches, hf_rows_per_call
 from eviback.generation.stops import StopMatcher
 from eviback.policy import load_model, load_tokenizer, torch_threads
 
 log = logging.getLogger(__name__)
 
 
-class _SampledLogprobs:
-    """A logits processor, run last, that records the log-probability of each sampled token.
+class TokenSampler:
+    """The logits processor that samples each step's token itself, and records its log-probability.
 
-    At step t it sees the processed scores (B, V) of step t but not yet the token drawn from them; that
-    token is the last input id at step t+1, so it keeps one step of log-softmax and gathers one step late
-    (memory O(B x V), not O(steps x B x V) as `output_scores` would hold)."""
+    transformers' own sampling reads its settings from the call's GenerationConfig with every unset field
+    filled from the model's `generation_config.json` and then from its global defaults (`top_k=50`), and runs
+    its warpers after any processor given to `generate`: a model that ships `top_k=20, top_p=0.95` (Qwen3)
+    would be sampled from 20 tokens while the recorded log-probabilities described all of them. So `generate`
+    runs greedy (no warper at all: transformers' sampling branch never runs), and this processor, last in the
+    list, applies the temperature and top-p of :class:`SamplingConfig`, records the log-probability of the
+    token it draws under that distribution, and returns scores whose arg-max is that token. The recorded
+    log-probability is exactly `log_softmax(logits / temperature)` at the drawn token (after top-p when asked),
+    what the trainer computes. It draws from torch's default generator of the scores' device (the backend's
+    own stream, :class:`~eviback.generation.base.SamplerRNG`). Greedy decoding records the model's own
+    distribution at its arg-max."""
 
-    def __init__(self) -> None:
-        self.previous: torch.Tensor | None = None  # (B, V) log-softmax of the last step's scores
-        self.steps: list[torch.Tensor] = []  # each (B,)
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.steps: list[torch.Tensor] = []  # each (B,): the drawn tokens' log-probabilities
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.previous is not None:
-            self.steps.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.previous = torch.log_softmax(scores.float(), dim=-1)
-        return scores
+        logits = scores.float()
+        if self.temperature > 0:
+            logits = logits / self.temperature
+            if self.top_p < 1.0:
+                logits = top_p_filter(logits, self.top_p)
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        if self.temperature > 0:
+            token = torch.multinomial(logp.exp(), 1)  # (B, 1)
+        else:
+            token = logp.argmax(dim=-1, keepdim=True)
+        self.steps.append(logp.gather(1, token).squeeze(1))
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
-    def finish(self, last_ids: torch.Tensor) -> torch.Tensor:
-        """(B, steps) log-probabilities, given the ids sampled at the final step, shape (B,)."""
-        if self.previous is not None:
-            self.steps.append(self.previous.gather(1, last_ids[:, None]).squeeze(1))
-            self.previous = None
-        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_ids.shape[0], 0)
+    def logprobs(self, rows: int, device: torch.device) -> torch.Tensor:
+        """(B, steps) log-probabilities of the drawn tokens."""
+        if not self.steps:
+            return torch.zeros(rows, 0, device=device)
+        return torch.stack(self.steps, dim=1)
 
 
-CPU_BATCH_SIZE = 16  # sequences per generate call on the CPU (a GPU takes a whole call at once)
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits` (B, V) with every token outside the smallest set whose probability reaches `top_p` at -inf
+    (the most likely token always stays), as vLLM and TRL define nucleus sampling."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    mass_before = ordered.softmax(dim=-1).cumsum(dim=-1) - ordered.softmax(dim=-1)
+    ordered = ordered.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, ordered)
+
+
+def generation_config(params: SamplingConfig, *, max_new_tokens: int, pad_token_id: int,
+                      eos_token_id: Sequence[int], cache: str = "dynamic", compile: bool = False) -> GenerationConfig:
+    """The GenerationConfig of one HF `generate` call of the backend: greedy as far as transformers knows
+    (:class:`TokenSampler` samples), with every field that would add a logits processor set to its neutral
+    value, so that nothing of the model's own generation defaults (repetition penalty, n-gram blocking, ...)
+    changes the distribution sampled from. Temperature, top-k and top-p are left unset: transformers reads them
+    only when it samples, and it does not."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        # min_new_tokens=0 would still run a minimum-length processor (transformers adds the prompt's length to
+        # it); no minimum is min_length=0, which also keeps a model's own minimum out
+        **({"min_new_tokens": params.min_tokens} if params.min_tokens else {"min_length": 0}),
+        do_sample=False,
+        num_beams=1,
+        num_return_sequences=1,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
+        renormalize_logits=False,
+        remove_invalid_values=False,
+        pad_token_id=pad_token_id,
+        eos_token_id=list(eos_token_id),
+        cache_implementation="static" if cache == "static" else None,
+        disable_compile=not compile,
+    )
+
+
+def effective_logits_processors(model: PreTrainedModel, config: GenerationConfig, own: Sequence[object],
+                                prompt_length: int = 1) -> list[object]:
+    """The logits processors transformers would run for `model.generate(generation_config=config,
+    logits_processor=own)` on prompts of `prompt_length` tokens: the steps of `generate` that decide them (the
+    model's generation defaults merged in, the special tokens, the lengths), through private API of the pinned
+    transformers (tests/test_api_conformance.py keeps it honest)."""
+    prompt = torch.zeros(1, prompt_length, dtype=torch.long, device="cpu")
+    has_default_max = config.max_length is None and model.generation_config.max_length is None
+    has_default_min = config.min_length is None and model.generation_config.min_length is None
+    effective, _ = model._prepare_generation_config(config)
+    model._prepare_special_tokens(effective, True, device=prompt.device, batch_size=1)
+    effective = model._prepare_generated_length(
+        generation_config=effective, has_default_max_length=has_default_max, has_default_min_length=has_default_min,
+        model_input_name="input_ids", input_ids_length=prompt_length, inputs_tensor=prompt)
+    return list(model._get_logits_processor(generation_config=effective, input_ids_seq_length=prompt_length,
+                                            encoder_input_ids=prompt, logits_processor=LogitsProcessorList(own),
+                                            device=prompt.device))
+
+
+def check_sampling_is_ours(model: PreTrainedModel, config: GenerationConfig) -> None:
+    """Refuse a model whose generation defaults would change the distribution the backend samples from (a
+    processor transformers adds beside :class:`TokenSampler`), naming the processors and where they come from:
+    the recorded log-probabilities would no longer be those of the trainer's distribution."""
+    sampler = TokenSampler()
+    extra = [p for p in effective_logits_processors(model, config, [sampler]) if p is not sampler]
+    if extra:
+        names = ", ".join(type(p).__name__ for p in extra)
+        raise ValueError(f"the model's generation defaults add logits processors ({names}) that would change the "
+                         "distribution rollouts are sampled from, and the log-probabilities the trainer compares "
+                         "with: remove those fields from the model's generation_config.json (eviback sets "
+                         "temperature and top_p itself)")
+
+
+CPU_BATCH_SIZE = 16  # sequences per generate call on the CPU (a GPU takes as many as its memory holds)
 CACHES = HF_CACHES
 
 
@@ -88,7 +182,8 @@ class HFBackend:
     model's device.
 
     Args:
-        batch_size: sequences per `generate` call; None: 16 on the CPU, every prompt of a call on a GPU.
+        batch_size: sequences per `generate` call; None: 16 on the CPU, on a GPU as few calls as its free memory
+            holds.
         threads: torch threads while generating (None: the process's setting).
         cache: the KV cache: `dynamic` (grown by one position per step: each step copies it) or `static`
             (allocated once per call at its longest, written in place); `auto`: static on a GPU, dynamic on
@@ -134,6 +229,8 @@ class HFBackend:
         cuda_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if self.device.type == "cuda" else None
         self.rng = SamplerRNG(cuda_device=cuda_index)
+        self.shape = ModelShape.from_config(model.config)
+        self._sampling_checked = False
 
     @property
     def device(self) -> torch.device:
@@ -157,62 +254,69 @@ class HFBackend:
         caps = request_caps(len(prompts), params, max_tokens)
         if params.min_tokens and params.stop:
             raise ValueError("min_tokens > 0 is for fixed-length benchmark turns: pass stop=() with it")
-        # Similar lengths share a micro-batch, so little compute goes to padding.
+        if not prompts:
+            return []
+        self._check_sampling()
+        # Similar lengths share a call, so little compute and cache go to padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
-        size = self.batch_size or max(1, len(order))
         with torch_threads(self.threads), self.rng.active():
-            for start in range(0, len(order), size):
+            start = 0
+            for size in self._call_sizes([len(p) for p in prompts], caps):
                 chunk = order[start : start + size]
+                start += size
                 outs = self._generate_batch([prompts[i] for i in chunk], params, [caps[i] for i in chunk])
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return [r for r in results if r is not None]
 
+    def _call_sizes(self, lengths: list[int], caps: list[int]) -> list[int]:
+        """Rows per `generate` call, in the order of ascending prompt length: `batch_size` each when set (16 on
+        the CPU); on a GPU as few calls as the memory free for their KV cache holds
+        (:func:`~eviback.generation.memory.hf_rows_per_call`: every row's cache is its padded prompt + its cap,
+        so 256 rows late in a 4k-token rollout of a 0.6B model would ask for about 100 GiB)."""
+        if self.batch_size is not None:
+            return _fixed_batches(len(lengths), self.batch_size)
+        if not self.accelerator:  # batch_size=None asked for on the CPU: one call (tests of the GPU path do)
+            return [len(lengths)]
+        free, _ = devices.memory(str(self.device))
+        most = hf_rows_per_call(rows=len(lengths), width=max(lengths), cap=max(caps), free_bytes=free, shape=self.shape,
+                                dtype_bytes=self.model.dtype.itemsize)
+        if most < len(lengths):
+            log.debug("hf engine: %d rows in calls of at most %d (%.1f GiB free for their cache)", len(lengths), most,
+                      free / GIB)
+        return even_batches(len(lengths), most)
+
+    def _check_sampling(self) -> None:
+        """Once per backend: the model's generation defaults add nothing to the distribution sampled from."""
+        if not self._sampling_checked:
+            check_sampling_is_ours(self.model, generation_config(SamplingConfig(), max_new_tokens=1,
+                                                                 pad_token_id=self.pad_id, eos_token_id=self.eos_ids))
+            self._sampling_checked = True
+
     @torch.no_grad()
     def _generate_batch(self, prompts: list[Sequence[int]], params: SamplingConfig, caps: list[int]) -> list[Completion]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            attention[row, width - len(prompt) :] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        # Temperature and top-p are applied by our own processors, ahead of the recorder, so that the
-        # recorded log-probabilities are those of the distribution actually sampled from. The
-        # GenerationConfig is built from scratch: a model's saved defaults (top_k=50, ...) must not leak in.
-        recorder = _SampledLogprobs()
-        processors = []
-        if not params.greedy:
-            processors.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_p < 1.0:
-                processors.append(TopPLogitsWarper(params.top_p))
-        processors.append(recorder)
-        config = GenerationConfig(
-            max_new_tokens=max(caps),
-            min_new_tokens=params.min_tokens or None,
-            do_sample=not params.greedy,
-            num_beams=1,
-            top_k=None,
-            top_p=None,
-            temperature=None,
-            pad_token_id=self.pad_id,
-            eos_token_id=list(self.eos_ids),
-            cache_implementation="static" if self.cache == "static" else None,
-            disable_compile=not self.compile,
-        )
+        input_ids, attention = left_padded(prompts, self.pad_id, self.device)
+        width = input_ids.shape[1]
+        sampler = TokenSampler(params.temperature, params.top_p)
+        config = generation_config(params, max_new_tokens=max(caps), pad_token_id=self.pad_id,
+                                   eos_token_id=self.eos_ids, cache=self.cache, compile=self.compile)
         matcher = self._matcher(params.stop)
         criteria = StoppingCriteriaList([_StopOnIds(matcher.device_table(self.device), matcher.matched)]
                                         if matcher is not None else [])
+        if not self.compile:
+            # transformers sizes a static cache at the longest any earlier call asked for (to spare recompiles):
+            # without compilation that only holds memory, so each call is sized for itself.
+            self.model._previous_max_cache_length = -1
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention,
             generation_config=config,
-            logits_processor=LogitsProcessorList(processors),
+            logits_processor=LogitsProcessorList([sampler]),
             stopping_criteria=criteria,
         )
         new = out[:, width:]  # (B, steps)
-        logprobs = recorder.finish(new[:, -1]) if new.shape[1] else torch.zeros(len(prompts), 0)
+        logprobs = sampler.logprobs(len(prompts), new.device)
         new, logprobs = new.cpu(), logprobs.float().cpu()
         completions = []
         for row, cap in enumerate(caps):
@@ -281,6 +385,23 @@ class _StopOnIds:
             self.state = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         self.state = self.table[self.state, last]
         return self.state == self.matched
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both (B, longest) long on `device`: the prompts left-padded with `pad_id`.
+    Built on the host and sent in one copy each (a row at a time on a GPU would be a transfer a row)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device="cpu")
+    attention = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long, device="cpu")
+        attention[row, width - len(prompt) :] = 1
+    return input_ids.to(device), attention.to(device)
+
+
+def _fixed_batches(count: int, size: int) -> list[int]:
+    """`count` rows in calls of `size` (the last takes the rest)."""
+    return [min(size, count - start) for start in range(0, count, size)]
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

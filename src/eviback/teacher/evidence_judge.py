@@ -9,23 +9,28 @@ judge by the content hash a frozen policy names.
 with a 3-way head. It is gold-blind by construction: it reads only the question and the evidence text of a
 Stage A request. Two architectures (`architecture` in `judge.json`):
 
-- **bi-encoder** (builder 4's default): the encoder as it ships, a sentence encoder, embeds the question and
+- **bi-encoder** (the default since builder 4): the encoder as it ships, a sentence encoder, embeds the question and
   each passage apart (mean-pooled, normalised: what all-MiniLM-L6-v2 was trained for); a 3-way logistic head
   reads their product, their absolute difference and their cosine (:func:`pair_features`). Only the head is
-  trained. From 200 of the embedded training questions it gates at 0.73 on held-out questions, built in about a
-  minute on 2 CPU cores, where the cross-encoder gated at chance after 1 and after 3 epochs (docs/teacher.md);
+  trained. From 200 of the embedded training questions it gates at 0.84 on held-out questions at its calibrated
+  threshold (0.72 at 0.5; results/judge-calibration.md), built in about two minutes on 2 CPU cores, where the
+  cross-encoder gated at chance after 1 and after 3 epochs (docs/teacher.md);
 - **cross-encoder** (builders 2-3): the encoder fine-tuned on (question, text) pairs read together, its
   [CLS] token into the head; it needs hundreds of optimiser steps to leave chance.
 
 **Passage judges** (`unit: passage` in `judge.json`, builder 3 and later) score each passage of the evidence
 on its own, (question, one `Doc i(Title: ...) ...` block as the actor saw it) -> P(holds a gold answer),
 P(a supporting passage without the answer), P(neither), and aggregate: the evidence is I when no passage is
-more likely relevant than not (max over passages of 1 - P(neither) below the judge's `threshold`), else S when
-some passage more likely holds the answer than not, else A. Why per passage: "is the answer anywhere in
-here" is a question about each passage, so the verdict reads every passage however many searches the rollout
-made (a whole-evidence judge reads the first 320 wordpieces and misses the rest), does not depend on the
-order of the passages (E2E-APE's reordered-evidence gate), and learns from passages, of which a training
-question gives many. **Evidence judges** (builder 2) read the whole evidence text, cut at `max_length`.
+relevant enough (:func:`relevance`, the max over passages of 1 - P(neither), below the judge's `threshold`),
+else S when some passage more likely holds the answer than not, else A. The threshold is in `judge.json`:
+builder 5 calibrates a bi-encoder's on its training questions' evidence (:func:`calibrate_threshold` on
+cross-fitted scores, :func:`eviback.train.judge_builder.calibrate_gate`); a judge.json without one (older
+judges) gates at 0.5.
+
+Why per passage: "is the answer anywhere in here" is a question about each passage, so the verdict reads
+every passage however many searches the rollout made (a whole-evidence judge reads the first 320 wordpieces
+and misses the rest), does not depend on the order of the passages (E2E-APE's reordered-evidence gate), and
+learns from passages, of which a training question gives many. **Evidence judges** (builder 2) read the whole evidence text, cut at `max_length`.
 
 **The artifact** is a directory holding the model, its tokenizer, `judge.json` (the build config, example
 counts, held-out figures) and `policy.json`: the built-in two-stage policy with its Stage A replaced by the
@@ -94,6 +99,9 @@ _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
 # learned measured 0.72-0.76 (bi-encoders, and the 3-epoch cross-encoder of results/teacher-judge.md: 0.74), the
 # 1-epoch cross-encoder the demo once built 0.500 (docs/teacher.md).
 GATE_FLOOR = 0.6
+# the threshold of a judge.json that records none (judges built before builder 5), and the one a calibration
+# that cannot be made keeps
+DEFAULT_THRESHOLD = 0.5
 
 
 @dataclass(frozen=True)
@@ -168,11 +176,18 @@ def split_passages(evidence: str) -> list[str]:
     return [part.strip() for part in _PASSAGE_START.split(evidence) if part.strip()]
 
 
-def aggregate_status(passage_probs: Sequence[Sequence[float]], threshold: float = 0.5,
+def relevance(passage_probs: Sequence[Sequence[float]]) -> float:
+    """What a passage judge's gate reads of the evidence: the largest P(relevant) = 1 - P(I) over its
+    passages' (P(S), P(A), P(I)); 0 for evidence without passages. The evidence is I exactly when this is below
+    the judge's threshold."""
+    return max((1.0 - p[2] for p in passage_probs), default=0.0)
+
+
+def aggregate_status(passage_probs: Sequence[Sequence[float]], threshold: float = DEFAULT_THRESHOLD,
                      allowed: Sequence[Status] = LABELS) -> Status:
     """The status of the evidence from its passages' (P(S), P(A), P(I)) (see the module doc). No passage:
     I. Restricted to `allowed` (a stage that offers only S and I gets S for any relevant evidence)."""
-    relevant = max((1.0 - p[2] for p in passage_probs), default=0.0)
+    relevant = relevance(passage_probs)
     answer = max((p[0] for p in passage_probs), default=0.0)
     if relevant < threshold:
         status = Status.INSUFFICIENT
@@ -185,6 +200,60 @@ def aggregate_status(passage_probs: Sequence[Sequence[float]], threshold: float 
     if status is Status.AMBIGUOUS and Status.SUFFICIENT in allowed:
         return Status.SUFFICIENT
     return Status.INSUFFICIENT if Status.INSUFFICIENT in allowed else allowed[0]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A gate threshold chosen on scored evidence (:func:`calibrate_threshold`): the threshold, the gate
+    balanced accuracy it reaches on that evidence, and how many I and not-I (S or A) evidence texts it was
+    chosen on."""
+
+    threshold: float
+    gate: float
+    n_i: int
+    n_open: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def calibrate_threshold(scores: Sequence[float], closed: Sequence[bool], prior: float = DEFAULT_THRESHOLD
+                        ) -> Calibration | None:
+    """The threshold that maximises the gate balanced accuracy (the mean of the recall on I evidence and the
+    recall on S or A evidence, as :func:`eviback.teacher.labels.gate_balanced_accuracy`) when evidence is
+    called I exactly when its score (:func:`relevance`) is below it.
+
+    `scores[k]` is the relevance of evidence k, `closed[k]` whether its label is I (equal lengths). The
+    candidates are the midpoints between consecutive distinct scores (every way a threshold can split them,
+    each cut in the middle of its gap); among the best, the one nearest `prior` (the uncalibrated threshold)
+    is taken, so that a plateau does not move the threshold further than the evidence asks. None when the
+    evidence lacks I or not-I texts, or all its scores are equal: nothing to calibrate on. Pure, O(n log n).
+    """
+    if len(scores) != len(closed):
+        raise ValueError(f"{len(scores)} scores but {len(closed)} labels")
+    n_i = sum(bool(c) for c in closed)
+    n_open = len(closed) - n_i
+    if not n_i or not n_open:
+        return None
+    pairs = sorted(zip((float(s) for s in scores), (bool(c) for c in closed), strict=True))
+    # walk up the distinct scores: a threshold just above score u calls every evidence scoring <= u I
+    best: tuple[int, float, float] | None = None  # (-score numerator, distance to prior, threshold)
+    closed_below = open_below = 0
+    for k, (score, is_i) in enumerate(pairs):
+        closed_below += is_i
+        open_below += not is_i
+        if k + 1 == len(pairs) or pairs[k + 1][0] == score:
+            continue  # not the last evidence of this score, or the highest score: no gap above it
+        threshold = (score + pairs[k + 1][0]) / 2
+        # 2 * n_i * n_open * balanced accuracy, in integers: ties are exact
+        numerator = closed_below * n_open + (n_open - open_below) * n_i
+        candidate = (-numerator, abs(threshold - prior), threshold)
+        if best is None or candidate < best:
+            best = candidate
+    if best is None:
+        return None
+    numerator, _, threshold = best
+    return Calibration(threshold=threshold, gate=-numerator / (2 * n_i * n_open), n_i=n_i, n_open=n_open)
 
 
 class EvidenceJudgeClient:
@@ -210,7 +279,8 @@ class EvidenceJudgeClient:
         doc = json.loads(doc_path.read_text()) if doc_path.exists() else {}
         self.max_length = int(doc.get("max_length", 320))
         self.unit = doc.get("unit", UNIT_EVIDENCE)
-        self.threshold = float(doc.get("threshold", 0.5))
+        # the gate's threshold: builder 5 calibrates it on the training evidence; older judges have 0.5
+        self.threshold = float(doc.get("threshold", DEFAULT_THRESHOLD))
         self.architecture = doc.get("architecture", ARCH_CROSS)  # judges before builder 4 are cross-encoders
         self.question_length = int(doc.get("question_length", QUESTION_LENGTH))
         self.tokenizer = AutoTokenizer.from_pretrained(self.directory)

@@ -32,9 +32,7 @@ import yaml
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig
-from eviback.generation import BACKENDS, VLLM_SERVER
-from eviback.generation.server import DEFAULT_URL as SERVER_URL
-from eviback.generation.server import ServerConfig
+from eviback.generation import BACKENDS, EngineSettings
 from eviback.policy import DEFAULT_MODEL
 from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields, check_values, field_types, parse_setting_value
@@ -191,9 +189,14 @@ SECTION_SETTINGS: dict[str, tuple[str, str]] = {
     "is_correction": ("correction", "enabled"),
     "is_cap": ("correction", "cap"),
     "is_level": ("correction", "level"),
+    "policy_url": ("engine", "policy_url"),
+    "policy_timeout_s": ("engine", "policy_timeout_s"),
+    "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+    "vllm_sleep_level": ("engine", "sleep_level"),
+    "vllm_executor": ("engine", "executor"),
 }
 SECTIONS: dict[str, type] = {"rollout": RolloutConfig, "backoff": BackoffConfig, "teacher": TeacherSettings,
-                             "correction": BehaviourCorrection}
+                             "correction": BehaviourCorrection, "engine": EngineSettings}
 
 
 def context_tokens(max_turns: int, max_turn_tokens: int, max_observation_tokens: int) -> int:
@@ -229,9 +232,7 @@ class TrainConfig:
     # ---- rollouts
     backend: str = field(default="vllm", metadata={"help": "generation engine: vllm (in this process), hf, or "
                          "vllm-server (a `vllm serve` process at policy_url, TRL's server mode: `eviback serve-policy`)"})
-    policy_url: str = field(default=SERVER_URL, metadata={"help": "backend=vllm-server: the policy server's base URL"})
-    policy_timeout_s: float = field(default=600.0, metadata={"help": "backend=vllm-server: seconds one generation "
-                                    "request may take"})
+    engine: EngineSettings = field(default_factory=EngineSettings)
     questions_per_step: int = field(default=4, metadata={"help": "questions per optimisation step"})
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_context_tokens=context_tokens(
         RolloutConfig.max_turns, RolloutConfig.max_turn_tokens, RolloutConfig.max_observation_tokens)))
@@ -287,8 +288,6 @@ class TrainConfig:
                                  "with TrainConfig.from_settings(...)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == VLLM_SERVER:
-            self.server_config()  # checks the URL and the timeout
         rollout = self.rollout
         if rollout.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {rollout.group_size}")
@@ -326,10 +325,6 @@ class TrainConfig:
         dtypes.check(self.dtype, allowed=dtypes.TRAINING_DTYPES)
         devices.check_device(self.device)
 
-    def server_config(self) -> ServerConfig:
-        """How to reach the policy server (backend=vllm-server)."""
-        return ServerConfig(url=self.policy_url, timeout_s=self.policy_timeout_s)
-
     @classmethod
     def from_settings(cls, values: Mapping[str, Any] | None = None, /, **settings: Any) -> TrainConfig:
         """A config from settings by name (`group_size=3`, `lam=0.5`, `teacher_url=...`, `max_steps=10`):
@@ -350,7 +345,8 @@ class TrainConfig:
         rollout["max_context_tokens"] = context_tokens(rollout["max_turns"], rollout["max_turn_tokens"],
                                                        rollout["max_observation_tokens"])
         return cls(**own, rollout=RolloutConfig(**rollout), backoff=BackoffConfig(**parts["backoff"]),
-                   teacher=TeacherSettings(**parts["teacher"]), correction=BehaviourCorrection(**parts["correction"]))
+                   teacher=TeacherSettings(**parts["teacher"]), correction=BehaviourCorrection(**parts["correction"]),
+                   engine=EngineSettings(**parts["engine"]))
 
     def with_settings(self, **settings: Any) -> TrainConfig:
         """This config with some settings changed (by name, as :meth:`from_settings` takes them)."""

@@ -261,7 +261,9 @@ class EviBackTrainer(FastScoring, MasterWeights):
         values = self._metrics["train"].get("completions/clipped_ratio")
         if not values:
             return
-        cut = torch.tensor([float(t.stop_reason is StopReason.LENGTH) for t in batch.trajectories])
+        # on the process's device: NCCL gathers only CUDA tensors
+        cut = torch.tensor([float(t.stop_reason is StopReason.LENGTH) for t in batch.trajectories],
+                           device=self.accelerator.device)
         values[-1] = self.accelerator.gather(cut).mean().item()
 
     # ---- a step that keeps no group: no update

@@ -1,61 +1,47 @@
-"""Memory planning for a training run: how large the generation engine's KV cache needs to be.
+"""Memory planning for a training run: what the trainer keeps on its device, and the heap it gives back.
 
-vLLM's CPU engine allocates its KV cache up front (2 GiB unless told; `VLLM_CPU_KVCACHE_SPACE` in whole GiB). A rollout
-step needs far less than that for a small model: each of its sequences holds at most `max_context` tokens
-of keys and values. The cache is sized to one step's sequences
-at full length, with headroom, within a floor and a ceiling; more concurrent sequences (e.g. a held-out
-evaluation of many questions) are scheduled in waves by the engine instead of failing.
+The generation engines' arithmetic (KV caches, the vLLM CPU engine's cache, the share of a GPU an in-process
+engine takes) is :mod:`eviback.generation.memory`'s; this module adds the trainer's side, which the runner
+sets against it.
+
+The trainer's bytes per parameter (docs/training.md, "Memory"): on a GPU (fp32 weights under bf16 autocast)
+4 for the weights, 8 for AdamW's two moments, 4 for the reference model when the KL term is on (it computes
+exactly as the policy does: fp32 under the same autocast), all resident while the engine generates; the
+update adds 4 for the gradients and 2 for autocast's bf16 copy of the weights, plus activations. On the CPU
+(a bf16 model with fp32 masters) 2 + 4 + 8 (+ 2 for a bf16 reference), and the same gradients.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
-import os
-from pathlib import Path
-
-from eviback.generation.base import kv_bytes_per_token
-
-GIB = 1024 ** 3
+from dataclasses import dataclass
 
 
-def kv_cache_gib(sequences: int, max_context: int, bytes_per_token: int, *, headroom: float = 1.5,
-                 step_gib: float = 0.25, floor_gib: float = 0.5, ceiling_gib: float = 2.0) -> float:
-    """GiB of KV cache for `sequences` concurrent sequences of up to `max_context` tokens, times `headroom`,
-    rounded up to a multiple of `step_gib` and kept within [floor_gib, ceiling_gib].
+@dataclass(frozen=True)
+class TrainerBytes:
+    """Bytes per parameter the trainer holds, by phase."""
 
-    SmolLM2-135M (30 layers, 3 KV heads of 64, bf16) takes 23,040 bytes per token: the demo's 8 rollouts x
-    1,592 tokens need 0.27 GiB (0.5 GiB planned, instead of vLLM's 2); `eviback train`'s defaults, 20 x 3,012
-    tokens, 1.29 GiB (2 GiB planned)."""
-    need = sequences * max_context * bytes_per_token * headroom / GIB
-    return min(ceiling_gib, max(floor_gib, -(-need // step_gib) * step_gib))
+    resident: int  # while the engine generates: weights (and masters), AdamW's moments, the reference model
+    update: int  # added during the update: gradients and autocast's weight copy (activations come on top)
 
+    def resident_bytes(self, parameters: int) -> int:
+        return self.resident * parameters
 
-def model_kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int | None:
-    """`kv_bytes_per_token` from a Hugging Face checkpoint's config.json; None when it cannot be read."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    config = config.get("text_config", config)
-    try:
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        return kv_bytes_per_token(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim,
-                                  dtype_bytes)
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
+    def peak_bytes(self, parameters: int) -> int:
+        """The update's peak without activations."""
+        return (self.resident + self.update) * parameters
 
 
-def rollout_kv_cache_gib(sequences: int, max_context: int, model_dir: str, dtype: str = "bfloat16") -> float | None:
-    """The KV cache for a run's rollout engine (see :func:`kv_cache_gib`) computing in `dtype` (the cache
-    holds keys and values in the model's dtype: fp32 takes twice bf16's bytes); None (the engine's own
-    default) when `VLLM_CPU_KVCACHE_SPACE` is set by the user or the model's shape cannot be read."""
-    per_token = model_kv_bytes_per_token(model_dir, 4 if dtype == "float32" else 2)
-    if "VLLM_CPU_KVCACHE_SPACE" in os.environ or per_token is None:
-        return None
-    return kv_cache_gib(sequences, max_context, per_token)
+def trainer_bytes(*, accelerator: bool, masters: bool, reference: bool) -> TrainerBytes:
+    """The trainer's bytes per parameter on a GPU (`accelerator`: fp32 weights under bf16 autocast) or a CPU
+    (`masters`: a bf16 model with fp32 masters; else fp32), with a reference model when `reference` (beta > 0).
+    Fused AdamW on a GPU updates in place: no transient copy of a parameter group."""
+    if accelerator:
+        return TrainerBytes(resident=4 + 8 + (4 if reference else 0), update=4 + 2)
+    if masters:
+        return TrainerBytes(resident=2 + 4 + 8 + (2 if reference else 0), update=2 + 4)
+    return TrainerBytes(resident=4 + 8 + (4 if reference else 0), update=4)
 
 
 def release_free_heap() -> bool:

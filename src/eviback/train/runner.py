@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,12 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eviback import device as devices
 from eviback.data import load_suite, read_training_questions
 from eviback.device import Placement, off_device, pin_trainer, place, placements, record
-from eviback.disk import RunFootprint
+from eviback.disk import RunFootprint, checkpoint_parameters
 from eviback.evaluate import EvalConfig, EvalSummary, comparison_html, run_eval
 from eviback.generation import VLLM_SERVER, BackendConfig, load_backend
 from eviback.generation.base import GenerationBackend, push_weights, sleep_backend
+from eviback.generation.memory import ModelShape, cpu_rollout_kv_cache_gib, engine_share
 from eviback.generation.server import VllmServerBackend
 from eviback.log_format import configure_logging, quiet
 from eviback.policy import load_tokenizer, resolve_model
@@ -45,7 +48,7 @@ from eviback.teacher.extractive import with_max_words
 from eviback.train.config import TrainConfig
 from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge, check_stage_a, stage_a_record
 from eviback.train.launch import check_launch
-from eviback.train.memory import rollout_kv_cache_gib
+from eviback.train.memory import trainer_bytes
 from eviback.train.plots import write_report
 from eviback.train.run import RunDir
 from eviback.train.sft import WarmStartConfig, model_fingerprint, warm_start
@@ -180,15 +183,18 @@ def load_policy_for_training(path: str, precision: Precision,
                              resume_from: Path | None) -> tuple[PreTrainedModel, PreTrainedModel | None]:
     """(model, master) for `precision`: with masters the model is a bf16 copy trained with fp32 master
     weights (pure bf16 updates lose lr-sized changes); otherwise the fp32 model itself and no master. A
-    resumed run restores the masters saved in its checkpoint."""
+    resumed run loads its checkpoint's weights (what the engine is first given, e.g. a policy server) and
+    restores the masters saved there; the trainer loads the checkpoint again when it resumes, to the same
+    values."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eviback.train.masters import MASTER_WEIGHTS
 
-    master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    source = str(resume_from) if resume_from is not None else path
     if precision is not Precision.MASTERS:
-        return master, None
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), None
+    master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if resume_from is not None:
         saved = resume_from / MASTER_WEIGHTS
         if saved.exists():
@@ -198,7 +204,7 @@ def load_policy_for_training(path: str, precision: Precision,
         else:
             log.warning("%s has no fp32 master weights; resuming from its bf16 weights", resume_from)
             master = AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     return model, master
 
 
@@ -288,6 +294,8 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     # a policy server that cannot serve the run (down, wrong flags, another tokenizer, a CPU trainer) is refused
     # before anything is written
     server = connect_policy_server(config) if config.backend == VLLM_SERVER else None
+    # a disk too small for the first checkpoint is refused before the judge, the warm start and the engine
+    check_disk_first(config, output, resume)
     # The teacher before anything is written or warmed up: a weak evidence judge is refused now, not after the
     # warm start. Several processes may build the cached judge at once: its lock lets one build, the others reuse.
     teacher = open_teacher(config)
@@ -372,9 +380,10 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
     if master is not None:
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
-    if main:  # the main process writes the checkpoints and the final model
-        check_run_disk(config, start, model, master, optimizer)
+        # fused on a GPU: one kernel per step, no transient copy of the parameters (foreach AdamW holds one the
+        # size of a parameter group: 16 GB more at the peak of a 4B update)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0,
+                                      fused=placement.accelerator or None)
 
     # The engine holds its own copy of the policy on the run's device, refreshed before each rollout step: the
     # trainer's model runs in training mode, in fp32 under autocast on a GPU and with gradient checkpointing on
@@ -382,32 +391,67 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
     # a device-to-device copy per step. Its KV cache is sized to one step's rollouts (train/memory.py) instead
     # of vLLM's CPU default of 2 GiB.
     rollout = config.rollout
-    kv_cache = rollout_kv_cache_gib(rollout.group_size * config.questions_per_step, rollout.max_context_tokens,
-                                    policy_path, dtype.dtype)
+    engine_settings = config.engine
+    kv_cache = None
+    if not placement.accelerator:
+        kv_cache = cpu_rollout_kv_cache_gib(rollout.group_size * config.questions_per_step,
+                                            rollout.max_context_tokens, policy_path, dtype.dtype)
+    elif config.backend == "vllm" and engine_settings.gpu_memory_utilization is None:
+        share = gpu_engine_share(config, policy_path, placement.device, sum(p.numel() for p in model.parameters()))
+        log.info("%s", share.describe())
+        engine_settings = dataclasses.replace(engine_settings, gpu_memory_utilization=share.utilization)
     backend = server or load_backend(BackendConfig(backend=config.backend, model=policy_path, dtype=dtype.dtype,
                                                    device=placement.device,
                                                    max_model_len=max(2048, rollout.max_context_tokens),
-                                                   kv_cache_gib=kv_cache))
-    if server is not None:  # the server holds the model it was started with: the run's starting policy goes in
-        push_weights(server, model, start.state)
+                                                   kv_cache_gib=kv_cache, engine=engine_settings))
+    if server is not None:
+        # The server holds the model it was started with: the run's policy goes in (a resumed run's model holds
+        # its checkpoint's weights), each tensor staged on the trainer's GPU for NCCL on its way.
+        push_weights(server, model, start.state, device=placement.device)
     engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
     return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
                     engine)
 
 
-def check_run_disk(config: TrainConfig, start: RunStart, model: Any, master: Any, optimizer: Any) -> None:
-    """Before the first step: refuse a run whose disk cannot take its first checkpoint (or its final model), and
-    warn when it cannot take all the run may write (eviback.disk)."""
-    footprint = RunFootprint.of(model, master, optimizer, steps_left=config.max_steps - (start.resumed_from or 0),
-                                save_steps=config.save_steps, save_total_limit=config.save_total_limit)
-    if start.resumed_from is None:
+def check_disk_first(config: TrainConfig, output: str | Path, resume: bool) -> None:
+    """Before any work (the judge, the warm start, the engine): refuse a run whose disk cannot take its first
+    checkpoint (or its final model), and warn when it cannot take all the run may write (eviback.disk). The
+    sizes come from the policy's parameter count (its checkpoint's tensor shapes: nothing is loaded) and the
+    run's precision. Only the process that writes checks (the main one under a launcher)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    placement = place(config.device, config.dtype)
+    precision = training_precision(placement.dtype, placement.accelerator)
+    run = RunDir(output)
+    resumed_from = run.last_checkpoint_step() if resume else None
+    parameters = checkpoint_parameters(resolve_model(config.model, "float32"))
+    footprint = RunFootprint.planned(parameters, masters=precision is Precision.MASTERS,
+                                     steps_left=config.max_steps - (resumed_from or 0), save_steps=config.save_steps,
+                                     save_total_limit=config.save_total_limit)
+    if resumed_from is None:
         retry = ("Free space there and run the same command with --resume (nothing was trained yet), or train into "
                  "a directory on another disk (--output)")
     else:
         retry = "Free space there and run the same command again"
-    warning = footprint.check(start.run.root, retry=retry)
+    warning = footprint.check(run.root, retry=retry)
     if warning:
         log.warning("%s", warning)
+
+
+def gpu_engine_share(config: TrainConfig, policy_path: str, device: str, parameters: int):
+    """The share of the GPU the in-process vLLM engine takes beside this run's trainer
+    (:func:`eviback.generation.memory.engine_share`): its bf16 weights and one step's rollouts at full length,
+    beside the trainer's fp32 weights, AdamW's moments and, with a KL term, its fp32 reference model."""
+    shape = ModelShape.from_checkpoint(policy_path)
+    if shape is None:
+        raise ValueError(f"cannot read the shape of {policy_path} (config.json) to size the rollout engine's share "
+                         "of the GPU: set gpu_memory_utilization")
+    rollout = config.rollout
+    kv = rollout.group_size * config.questions_per_step * rollout.max_context_tokens * shape.kv_bytes_per_token(2)
+    trainer = trainer_bytes(accelerator=True, masters=False, reference=config.beta > 0)
+    _, total = devices.memory(device)
+    return engine_share(total_bytes=total, engine_weight_bytes=2 * parameters, kv_bytes=kv,
+                        trainer_resident_bytes=trainer.resident_bytes(parameters))
 
 
 def connect_policy_server(config: TrainConfig) -> VllmServerBackend:
@@ -419,7 +463,7 @@ def connect_policy_server(config: TrainConfig) -> VllmServerBackend:
         raise ValueError("backend=vllm-server pushes the trainer's weights into the server over NCCL, which needs "
                          f"the trainer on a CUDA GPU; this run computes on {placement.device}. On a CPU, train "
                          "with backend=vllm (in this process) or hf")
-    return VllmServerBackend.connect(config.model, config.server_config(), config.dtype, training=True)
+    return VllmServerBackend.connect(config.model, config.engine.server_config(), config.dtype, training=True)
 
 
 def engine_rollout_config(config: TrainConfig, backend_max_context: int) -> RolloutConfig:
@@ -456,6 +500,9 @@ def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: 
                        # the whole policy: it may be composed for the run (judge, extractive Stage B)
                        "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
+
+# The reference model's dtype: the dtype the trained model computes in, per precision.
+REFERENCE_DTYPE = {Precision.MASTERS: "bfloat16", Precision.AUTOCAST: "float32", Precision.FLOAT32: "float32"}
 
 CHECKPOINTING_PARAMETERS = 1_000_000_000  # on a GPU, models this large recompute activations by default
 
@@ -508,9 +555,9 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
         bf16=precision is Precision.AUTOCAST,
         fp16=False,
         remove_unused_columns=False,
-        # The reference model only runs forward passes: on a GPU (fp32 weights under bf16 autocast, where every
-        # matmul computes in bf16 anyway) it is loaded in bf16, half the memory of the trainer's fp32 copy
-        model_init_kwargs={"dtype": "bfloat16"} if precision is Precision.AUTOCAST else None,
+        # The reference model computes exactly as the policy does, so that the KL term is 0 at the first step: in
+        # the policy's own dtype (fp32 under the same autocast on a GPU; the bf16 copy with masters on the CPU)
+        model_init_kwargs={"dtype": REFERENCE_DTYPE[precision]},
         gradient_checkpointing=bool(config.gradient_checkpointing if checkpointing is None else checkpointing),
         disable_tqdm=False,
     )

@@ -31,7 +31,7 @@ from trl import GRPOTrainer
 
 from eviback.settings import check_fields
 from eviback.train.memory import release_free_heap
-from eviback.train.update import importance_ratio, padding_free_logprobs, score_plan
+from eviback.train.update import call_through_wrapper, importance_ratio, padding_free_logprobs, score_plan
 
 # TRL's logged engine/trainer figures of a generation batch, in the order of `importance_ratio`'s stats
 _DEFERRED_FIGURES = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
@@ -154,21 +154,33 @@ class FastScoring(GRPOTrainer):
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
         settings = self.scoring
         logits_dtype = torch.float32 if self.args.cast_lm_head_to_fp32 else None
-        with self.accelerator.autocast():
-            out = padding_free_logprobs(model, input_ids, plan, temperature=self.temperature,
+        inner = self.accelerator.unwrap_model(model)
+
+        def score() -> tuple[torch.Tensor, torch.Tensor]:
+            out = padding_free_logprobs(inner, input_ids, plan, temperature=self.temperature,
                                         chunk_tokens=settings.chunk_tokens, logits_dtype=logits_dtype,
                                         token_budget=settings.token_budget, max_padding=settings.max_padding)
-        return out.logps, (out.entropy if compute_entropy else None), None
+            return out.logps, out.entropy
+
+        with self.accelerator.autocast():
+            # under DDP through its wrapper, whose forward prepares the gradients' all-reduce
+            logps, entropy = score() if inner is model else call_through_wrapper(model, inner, score)
+        return logps, (entropy if compute_entropy else None), None
 
     def _padding_free_applies(self, model: Any, compute_entropy: bool, compute_aux_loss: bool,
                               extra: dict[str, Any]) -> bool:
-        """The padding-free path covers text-only causal LMs with a plain LM head, outside PEFT and DDP
-        wrappers, when the entropy needs no gradient; anything else goes to TRL's path."""
+        """The padding-free path covers text-only causal LMs with a plain LM head, bare or in a DDP wrapper
+        (several processes: it computes through the wrapper, :func:`call_through_wrapper`), outside PEFT, when
+        the entropy needs no gradient; anything else (DeepSpeed's engine, a compiled model) goes to TRL's path."""
         if not self.scoring.padding_free or compute_aux_loss or any(v is not None for v in extra.values()):
             return False
         if compute_entropy and getattr(self, "_entropy_bonus_enabled", False):
             return False  # the entropy bonus backpropagates through the entropy
-        if self.accelerator.unwrap_model(model) is not model or hasattr(model, "peft_config"):
+        inner = self.accelerator.unwrap_model(model)
+        if inner is not model and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return False
+        model = inner
+        if hasattr(model, "peft_config"):
             return False
         config = model.config.get_text_config()
         if any(getattr(config, name, None) is not None for name in
@@ -188,13 +200,14 @@ class FastScoring(GRPOTrainer):
         masks = state.rollout_masks
         if masks is None or len(masks) != batch:
             return None
-        out = torch.zeros(batch, logits_to_keep, dtype=torch.long)
+        # built on the host (the plan reads it there: update.score_plan), one row at a time
+        out = torch.zeros(batch, logits_to_keep, dtype=torch.long, device="cpu")
         real = attention_mask[:, -logits_to_keep:].sum(dim=1).tolist()
         for b, (row, n) in enumerate(zip(masks, real, strict=True)):
             if n and len(row) != n:
                 return None  # not this rollout's batch
-            out[b, :len(row)] = torch.tensor(row[:logits_to_keep], dtype=torch.long)
-        return out.to(attention_mask.device)
+            out[b, :len(row)] = torch.tensor(row[:logits_to_keep], dtype=torch.long, device="cpu")
+        return out  # the plan reads it on the host
 
     # ---- the deferred importance ratio
 

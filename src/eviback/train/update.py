@@ -22,7 +22,10 @@ them by that mask. A row with no scored position is not run at all (its loss ter
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -52,6 +55,11 @@ class ScorePlan:
     out_index: torch.Tensor
     shape: tuple[int, int]
 
+    def to(self, device: torch.device | str) -> ScorePlan:
+        """The plan with its index tensors on `device` (where the batch it indexes is)."""
+        return ScorePlan(self.rows, self.hidden_index.to(device), self.target_column.to(device),
+                         self.out_index.to(device), self.shape)
+
     @property
     def tokens(self) -> int:
         """N, the number of scored tokens."""
@@ -69,12 +77,19 @@ def score_plan(attention_mask: torch.Tensor, logits_to_keep: int,
 
     `score_mask` (B, C), when given, restricts scoring to its nonzero positions (e.g. completion mask x
     tool mask); otherwise every real completion token is scored. Returns None when a row's real tokens are
-    not one contiguous run (a layout this path does not handle; the caller falls back to TRL's)."""
-    mask = attention_mask.bool()
+    not one contiguous run (a layout this path does not handle; the caller falls back to TRL's).
+
+    The plan's decisions depend on the masks' values, so they are made on the host, from one copy of the masks
+    (on a GPU, deciding row by row on the device would synchronise once per row); its index tensors are then
+    put on the masks' device, where the batch they index is. The tensor work that follows
+    (:func:`padding_free_logprobs`) makes no data-dependent decision."""
+    device = attention_mask.device
+    mask = attention_mask.detach().to("cpu").bool()
     batch, length = mask.shape
     first = length - logits_to_keep
     if score_mask is not None and tuple(score_mask.shape) != (batch, logits_to_keep):
         raise ValueError(f"score_mask has shape {tuple(score_mask.shape)}, expected {(batch, logits_to_keep)}")
+    scoring = score_mask.detach().to("cpu").bool() if score_mask is not None else None
     rows, hidden, target, out = [], [], [], []
     offset = 0
     for b in range(batch):
@@ -85,8 +100,8 @@ def score_plan(attention_mask: torch.Tensor, logits_to_keep: int,
         if end - start != real.numel():
             return None  # a hole inside the row
         scored = mask[b, first:].clone()
-        if score_mask is not None:
-            scored &= score_mask[b].bool()
+        if scoring is not None:
+            scored &= scoring[b]
         columns = torch.nonzero(scored).flatten() + first
         columns = columns[columns > start]  # the first real token has no prediction
         if columns.numel() == 0:
@@ -96,51 +111,55 @@ def score_plan(attention_mask: torch.Tensor, logits_to_keep: int,
         target.append(columns)
         out.append(b * logits_to_keep + columns - first)
         offset += end - start
-    empty = torch.zeros(0, dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long, device="cpu")
     return ScorePlan(
         rows=tuple(rows),
         hidden_index=torch.cat(hidden) if hidden else empty,
         target_column=torch.cat(target) if target else empty,
         out_index=torch.cat(out) if out else empty,
         shape=(batch, logits_to_keep),
-    )
+    ).to(device)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log softmax(hidden @ weight.T / T)[target] for N positions, `chunk` positions at a time.
 
-    Forward: each chunk's (chunk, V) logits come from a matmul in the inputs' dtype (or `logits_dtype`),
-    are scaled and soft-maxed in fp32; the per-token log-partition is kept. The chunk's logits are kept for
-    the backward pass while they fit in `keep_bytes` in all, else recomputed there. Backward: the logits'
-    gradient (onehot - p) * g / T is formed in fp32 per chunk and rounded to the inputs' dtype for the two
-    gradient matmuls; the weight gradient is accumulated in fp32 across chunks. The entropy is an output
-    without gradient."""
+    Every matmul, forward and backward, computes in `compute` (the caller resolves it: the autocast dtype
+    when autocast is on, so that a GPU's fp32 weights under bf16 autocast run bf16 matmuls in both passes,
+    and the backward's probabilities are the forward's), with autocast off inside so that the casts are
+    these. Forward: each chunk's (chunk, V) logits are scaled and soft-maxed in fp32; the per-token
+    log-partition is kept. The chunk's logits are kept for the backward pass while they fit in `keep_bytes`
+    in all (counted in `compute`'s bytes), else recomputed there, the same way. Backward: the logits'
+    gradient (onehot - p) * g / T is formed in fp32 per chunk and rounded to `compute` for the two gradient
+    matmuls; the weight gradient is accumulated in fp32 across chunks and returned in the weight's dtype, the
+    hidden states' gradient in theirs. The entropy is an output without gradient."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, inv_t: float,
-                chunk: int, logits_dtype: torch.dtype, keep_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, compute: torch.dtype, keep_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps)
         log_z = torch.empty_like(logps)
-        w = weight.to(logits_dtype)
         kept: list[torch.Tensor] = []
-        keep = n * weight.shape[0] * torch.finfo(logits_dtype).bits // 8 <= keep_bytes
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            z = hidden[s:e].to(logits_dtype) @ w.t()  # (n_c, V)
-            zf = z.float() * inv_t  # out of place: `z` may be fp32 already, and is kept
-            lz = torch.logsumexp(zf, dim=-1)
-            log_z[s:e] = lz
-            logps[s:e] = zf.gather(1, target[s:e, None]).squeeze(1) - lz
-            # entropy = log Z - sum_v p_v z_v
-            p = zf.sub(lz[:, None]).exp_()
-            entropy[s:e] = lz - (p * zf).sum(-1)
-            if keep:
-                kept.append(z)
+        keep = n * weight.shape[0] * torch.finfo(compute).bits // 8 <= keep_bytes
+        with _autocast_off(hidden.device.type):
+            w = weight.to(compute)
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                z = hidden[s:e].to(compute) @ w.t()  # (n_c, V)
+                zf = z.float() * inv_t  # out of place: `z` may be fp32 already, and is kept
+                lz = torch.logsumexp(zf, dim=-1)
+                log_z[s:e] = lz
+                logps[s:e] = zf.gather(1, target[s:e, None]).squeeze(1) - lz
+                # entropy = log Z - sum_v p_v z_v
+                p = zf.sub(lz[:, None]).exp_()
+                entropy[s:e] = lz - (p * zf).sum(-1)
+                if keep:
+                    kept.append(z)
         ctx.save_for_backward(hidden, weight, target, log_z)
         ctx.kept = kept
-        ctx.inv_t, ctx.chunk, ctx.logits_dtype = inv_t, chunk, logits_dtype
+        ctx.inv_t, ctx.chunk, ctx.compute = inv_t, chunk, compute
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -148,27 +167,48 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_logps: torch.Tensor | None,
                  _grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, target, log_z = ctx.saved_tensors
-        inv_t, chunk = ctx.inv_t, ctx.chunk
+        inv_t, chunk, compute = ctx.inv_t, ctx.chunk, ctx.compute
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        w = weight.to(ctx.logits_dtype)
         g_all = grad_logps.float() if grad_logps is not None else torch.zeros_like(log_z)
-        for i, s in enumerate(range(0, n, chunk)):
-            e = min(s + chunk, n)
-            z = ctx.kept[i] if ctx.kept else hidden[s:e].to(ctx.logits_dtype) @ w.t()
-            g = g_all[s:e]
-            # d logp_t / d z_v = (onehot_t(v) - p_v) / T
-            grad_z = z.float().mul_(inv_t).sub_(log_z[s:e, None]).exp_().mul_(-g[:, None])
-            grad_z[torch.arange(e - s), target[s:e]] += g
-            grad_z = grad_z.mul_(inv_t).to(hidden.dtype)
-            if need_h:
-                grad_h[s:e] = grad_z @ weight
-            if need_w:
-                grad_w += (grad_z.t() @ hidden[s:e]).float()
+        with _autocast_off(hidden.device.type):
+            w = weight.to(compute)
+            for i, s in enumerate(range(0, n, chunk)):
+                e = min(s + chunk, n)
+                h = hidden[s:e].to(compute)
+                z = ctx.kept[i] if ctx.kept else h @ w.t()
+                g = g_all[s:e]
+                # d logp_t / d z_v = (onehot_t(v) - p_v) / T
+                grad_z = z.float().mul_(inv_t).sub_(log_z[s:e, None]).exp_().mul_(-g[:, None])
+                grad_z[torch.arange(e - s, device=grad_z.device), target[s:e]] += g
+                grad_z = grad_z.mul_(inv_t).to(compute)
+                if need_h:
+                    grad_h[s:e] = (grad_z @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w += (grad_z.t() @ h).float()
         ctx.kept = None
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off on `device_type` inside the block (a device without autocast: nothing to turn off)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def logits_compute_dtype(hidden: torch.Tensor, logits_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype the LM head's matmuls compute in: `logits_dtype` when given (TRL's `cast_lm_head_to_fp32`),
+    else the autocast dtype when autocast is on for `hidden`'s device (a GPU's fp32 weights under bf16
+    autocast compute bf16 matmuls, as every other layer of the model does), else `hidden`'s dtype."""
+    if logits_dtype is not None:
+        return logits_dtype
+    kind = hidden.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return hidden.dtype
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0,
@@ -182,7 +222,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
         target: (N,) long, the token whose log-probability is wanted at each position.
         temperature: logits are divided by it (TRL's `temperature`).
         chunk_tokens: positions per (chunk, V) logits tile; peak extra memory is a few such tiles in fp32.
-        logits_dtype: dtype of the logits matmul (default: `hidden`'s dtype, as in TRL's CPU path).
+        logits_dtype: dtype of the logits matmuls, forward and backward (default: :func:`logits_compute_dtype`:
+            the autocast dtype under autocast, else `hidden`'s dtype, as in TRL's CPU path).
         keep_logits_bytes: keep the forward's logits for the backward when they fit, else recompute them.
 
     Returns:
@@ -193,7 +234,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
         zero = hidden.new_zeros(0, dtype=torch.float32)
         return zero + 0.0 * weight[0, 0], zero
     return _ChunkedTokenLogprobs.apply(hidden, weight, target, 1.0 / temperature, chunk_tokens,
-                                       logits_dtype or hidden.dtype, keep_logits_bytes)
+                                       logits_compute_dtype(hidden, logits_dtype), keep_logits_bytes)
 
 
 @dataclass(frozen=True)
@@ -269,6 +310,25 @@ def padding_free_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, plan:
     return PaddedLogprobs(full_logps, full_entropy, plan.tokens, plan.run_tokens)
 
 
+def call_through_wrapper(wrapper: torch.nn.Module, module: torch.nn.Module, compute: Callable[[], Any]) -> Any:
+    """`compute()` run as `wrapper`'s forward pass, `wrapper` being a DistributedDataParallel around `module`.
+
+    DDP all-reduces the gradients of a backward pass only after a forward pass through the wrapper itself
+    (its forward prepares the reducer for the coming backward); a computation that calls the inner module's
+    parts directly (here the decoder, then the chunked LM head on its weight) would leave every process with
+    its own gradients. So `module`'s forward is replaced, for this one call, by `compute`, and the wrapper is
+    called. The module's own `forward` attribute (accelerate's mixed-precision wrapper sets one) is put back."""
+    saved = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: compute()
+    try:
+        return wrapper()
+    finally:
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
+
+
 def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, *, mode: str = "token_truncate",
                      cap: float | None = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The truncated importance ratio of the behaviour-policy correction, as TRL's vLLM path computes it,
@@ -287,13 +347,17 @@ def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tens
     ratio = torch.exp(diff)
     if cap is not None:
         ratio = ratio.clamp(max=cap)
+    # The figures by masked reductions on the device (no boolean indexing: its output size depends on the
+    # data), sent to the host in one copy.
     delta = (old - sampling).abs()
-    delta = delta[mask.bool() & ~torch.isnan(delta)]
-    flat = ratio.flatten() if mode == "sequence_truncate" else ratio[mask.bool()]
-    inf = torch.tensor(float("inf"))
+    valid = mask.bool() & ~torch.isnan(delta)
+    counted = torch.ones_like(ratio, dtype=torch.bool) if mode == "sequence_truncate" else mask.bool()
+    inf = torch.full((), float("inf"), device=ratio.device)
+    if ratio.numel() == 0:
+        return ratio, torch.tensor([0.0, 0.0, -float("inf"), float("inf"), 0.0, 0.0, -float("inf")], device="cpu")
     stats = torch.stack([
-        delta.sum().float().cpu(), torch.tensor(float(delta.numel())),
-        delta.max().float().cpu() if delta.numel() else -inf,
-        flat.min().float().cpu() if flat.numel() else inf, flat.sum().float().cpu(),
-        torch.tensor(float(flat.numel())), flat.max().float().cpu() if flat.numel() else -inf])
+        torch.where(valid, delta, 0.0).sum(), valid.sum(), torch.where(valid, delta, -inf).max(),
+        torch.where(counted, ratio, inf).min(), torch.where(counted, ratio, 0.0).sum(), counted.sum(),
+        torch.where(counted, ratio, -inf).max(),
+    ]).float().cpu()
     return ratio, stats
