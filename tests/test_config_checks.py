@@ -116,7 +116,7 @@ def _names(message: str, name: str) -> bool:
 
 def test_the_config_classes_are_found():
     assert {"eviback.rollout.RolloutConfig", "eviback.backoff.BackoffConfig", "eviback.train.config.TrainConfig",
-            "eviback.retrieval.config.ClientConfig", "eviback.generation.vllm.VllmConfig",
+            "eviback.retrieval.config.ClientConfig", "eviback.generation.vllm_config.VllmConfig",
             "eviback.teacher.judge.RetryConfig", "eviback.experiment.config.Arm"} <= set(CONFIGS)
     stale = sorted((set(PENDING) | set(REQUIRED) | set(ALSO)) - set(CONFIGS))
     assert not stale, f"listed here but no config class of the package: {stale}"
@@ -158,9 +158,9 @@ RANGES = [
     ("generation.BackendConfig", {"hf_cache": "paged"}, r"hf_cache must be one of auto, dynamic, static"),
     ("generation.BackendConfig", {"threads": 0}, r"threads must be >= 1, or None"),
     ("generation.BackendConfig", {"max_model_len": 100}, r"max_model_len must be >= 256 for vllm"),
-    ("generation.vllm.VllmConfig", {"max_num_seqs": 0}, r"max_num_seqs must be >= 1, got 0"),
-    ("generation.vllm.VllmConfig", {"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization .* in \(0, 1\]"),
-    ("generation.vllm.VllmConfig", {"sleep_level": 3}, r"sleep_level must be 1 or 2"),
+    ("generation.vllm_config.VllmConfig", {"max_num_seqs": 0}, r"max_num_seqs must be >= 1, got 0"),
+    ("generation.vllm_config.VllmConfig", {"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization .* in \(0, 1\]"),
+    ("generation.vllm_config.VllmConfig", {"sleep_level": 3}, r"sleep_level must be 1 or 2"),
     ("retrieval.config.BM25Config", {"b": 1.5}, r"b \(--b\) must be in \[0, 1\]"),
     ("retrieval.config.BM25Config", {"k1": -1.0}, r"k1 \(--k1\) must be a number >= 0"),
     ("retrieval.config.BM25Config", {"method": "okapi"}, r"method \(--method\) 'okapi'; choose one of lucene"),

@@ -218,6 +218,21 @@ def test_the_serve_command_has_the_flags_trl_sets():
     assert "--weight-transfer-config" not in serve_command("/m", training=False)
 
 
+def test_serve_policy_listens_on_this_machine_unless_told(capsys):
+    """A training server runs vLLM's development endpoints, which replace the served weights: by default only
+    this machine reaches them; another address is allowed, with a warning."""
+    from eviback.cli import main
+
+    assert main(["serve-policy", "--print"]) == 0
+    out, err = capsys.readouterr()
+    assert out.split().count("--host") == 1 and out.split()[out.split().index("--host") + 1] == "127.0.0.1"
+    assert not err
+    assert main(["serve-policy", "--print", "--host", "0.0.0.0"]) == 0
+    assert "replace the served weights" in capsys.readouterr().err
+    assert main(["serve-policy", "--print", "--host", "0.0.0.0", "--generation-only"]) == 0
+    assert not capsys.readouterr().err  # no weight-push endpoints
+
+
 @pytest.mark.parametrize(("settings", "words"), [
     (["backend=vllm-server", "device=cpu"], ["backend=vllm-server", "CUDA GPU", "on cpu", "backend=vllm"]),
     (["backend=vllm-server", "policy_url=localhost:8002"], ["policy_url", "http(s) URL"]),
@@ -320,6 +335,33 @@ def test_eviback_train_stopped_by_its_policy_server_says_how_to_resume(tmp_path,
     assert "steps 3-4 are redone" in err and "`eviback serve-policy` serving at http://gpu7:8002" in err
     assert f"--output {output} --resume`, which pushes the run's weights into the restarted server" in err
     assert "policy_timeout_s=SECONDS` (now 600)" in err
+
+
+def test_a_stopped_process_of_a_launch_leaves_at_once(tmp_path, capsys, monkeypatch):
+    """Under a launcher the other processes may wait in a collective this one will never join: the stopped
+    process says its paragraph, then exits at once with its code (no interpreter shutdown, which would tear
+    down the process group and, with NCCL, wait on the others), so that the launcher stops the rest."""
+    from eviback.cli import main
+    from eviback.commands import train as command
+    from eviback.retrieval.client import RetrieverUnavailable
+
+    def stopped(config, out, *, resume=False):
+        raise RetrieverUnavailable("http://search:8000", "ConnectError", 9, 300.0)
+
+    exits = []
+
+    def leave(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(command, "run_training", stopped)
+    monkeypatch.setattr(command.os, "_exit", leave)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "grpo", "--output", str(tmp_path / "run")])
+    assert exits == [75] and "eviback train: " in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["train", "--preset", "grpo", "--output", str(tmp_path / "run")]) == 75 and exits == [75]
 
 
 class _DyingServer:

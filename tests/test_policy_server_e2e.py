@@ -23,12 +23,35 @@ pytestmark = pytest.mark.slow  # a real vLLM server: about a minute to start on 
 pytest.importorskip("vllm")
 
 
+# The sampling defaults of a Qwen3 checkpoint's generation_config.json, and more: vLLM's server fills every field
+# a request leaves out from them.
+SHIPPED_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.1,
+                    "repetition_penalty": 1.3}
+
+
+def model_with_shipped_defaults(directory) -> str:
+    """The bundled policy's checkpoint (its files linked) with SHIPPED_DEFAULTS in its generation config."""
+    from eviback.policy import DEFAULT_MODEL, resolve_model
+
+    source = resolve_model(DEFAULT_MODEL)
+    for path in os.listdir(source):
+        if path != "generation_config.json":
+            os.symlink(os.path.join(source, path), directory / path)
+    shipped = {}
+    if os.path.exists(os.path.join(source, "generation_config.json")):
+        with open(os.path.join(source, "generation_config.json")) as f:
+            shipped = json.load(f)
+    (directory / "generation_config.json").write_text(json.dumps({**shipped, **SHIPPED_DEFAULTS}))
+    return str(directory)
+
+
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("policy-server") / "server.log"
+    model = model_with_shipped_defaults(tmp_path_factory.mktemp("policy"))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "eviback.cli", "serve-policy", "smollm2-135m", "--host", "127.0.0.1", "--port",
+    argv = [sys.executable, "-m", "eviback.cli", "serve-policy", model, "--host", "127.0.0.1", "--port",
             str(port), "--generation-only", "--vllm-args", "--max-model-len 2048 --max-num-seqs 16 -O0"]
     with ServerProcess(argv, f"http://127.0.0.1:{port}", env=env, log_path=log, name="eviback serve-policy") as server:
         # the command it runs, printed before the server's own lines
@@ -69,17 +92,33 @@ def test_a_stop_string_cuts_where_decoding_the_ids_says(backend):
     assert stopped.token_ids == free.token_ids[:cut]  # the ids as sampled, up to the token completing the stop
 
 
-def test_each_row_samples_on_its_own_seed_and_reseed_repeats_a_call(backend):
+def test_a_group_samples_apart_and_a_seeded_backend_repeats_a_call(backend, server_url):
     prompt = _prompt(backend)
     params = SamplingConfig(max_tokens=24, temperature=1.0)
-    backend.reseed(3)
     group = backend.generate([prompt] * 4, params)
     assert len({o.token_ids for o in group}) > 1  # a group of identical prompts is not one sample four times
-    backend.reseed(11)
-    first, = backend.generate([prompt], params)
-    backend.reseed(11)
-    again, = backend.generate([prompt], params)
-    assert again.token_ids == first.token_ids and again.logprobs == pytest.approx(first.logprobs, abs=1e-4)
+    seeded = VllmServerBackend.connect("smollm2-135m", ServerConfig(url=server_url, concurrency=16, seeded=True))
+    try:
+        seeded.reseed(3)
+        group = seeded.generate([prompt] * 4, params)
+        assert len({o.token_ids for o in group}) > 1  # each row its own seed
+        seeded.reseed(11)
+        first, = seeded.generate([prompt], params)
+        seeded.reseed(11)
+        again, = seeded.generate([prompt], params)
+        assert again.token_ids == first.token_ids and again.logprobs == pytest.approx(first.logprobs, abs=1e-4)
+    finally:
+        seeded.close()
+
+
+def test_the_served_models_sampling_defaults_do_not_truncate_the_rollouts(backend):
+    """The served model ships top_k=20, top_p=0.95, min_p and a repetition penalty: a rollout is still sampled
+    from the whole distribution at the rollout's temperature (more than 20, and 50, distinct next tokens of an
+    uncertain prompt), and its log-probabilities are not those of a truncated, renormalised distribution."""
+    prompt = backend.tokenizer.encode("My favourite word in the whole English language is", add_special_tokens=False)
+    out = backend.generate([prompt] * 300, SamplingConfig(max_tokens=1, temperature=1.0, stop=()))
+    assert len({o.token_ids[0] for o in out}) > 50
+    assert min(o.logprobs[0] for o in out) < -6  # tokens a top-20 cut would never sample
 
 
 def test_eval_runs_through_the_server(server_url, tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 from eviback.data import eval_question_keys, load_suite
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import render_observation
-from eviback.queries import contains_words
+from eviback.queries import contains_words, hop_query, query_forms, query_terms
 from eviback.train import sft
 from eviback.train import warmstart_data as wsd
 from eviback.types import ActionKind, Passage, Question
@@ -113,9 +113,13 @@ def test_single_hop_example_is_grounded_and_protocol_exact():
     (example,), report, retriever = build([question])
     assert example.kind is wsd.ExampleKind.SINGLE and report.kept == {"single": 1}
     first, last = example.trajectory.turns
-    # The model's turns end exactly at the closing tags; the first is a search for the question.
+    # The model's turns end exactly at the closing tags; the first is a search for the question, in the
+    # form the build drew for it.
     assert first.text.endswith("</search>") and last.text.endswith("</answer>")
-    assert first.action.kind is ActionKind.SEARCH and first.action.content == "who designed the analytical engine"
+    assert first.action.kind is ActionKind.SEARCH
+    assert first.action.content == query_forms(question)[example.forms[0]]
+    assert report.drawn == {example.forms[0].value: 1}
+    assert report.forms == {"single": {"first": {example.forms[0].value: 1}}}
     assert first.executed and last.action.kind is ActionKind.ANSWER and not last.observation
     # The observation is exactly what the retriever returned for that query, rendered by the protocol.
     assert retriever.queries[0] == first.action.content
@@ -182,14 +186,14 @@ def test_multi_hop_example_searches_an_entity_found_by_the_first_search():
     first, second, last = example.trajectory.turns
     assert [t.action.kind for t in (first, second, last)] == [ActionKind.SEARCH, ActionKind.SEARCH, ActionKind.ANSWER]
     assert first.executed and second.executed
-    entity = second.action.content
-    # The second query is something the first results mention, not in the question...
+    entity = re.search(r"mentions (.+?)\. I need", second.text).group(1)
+    # The second query names something the first results mention, not in the question, in the drawn form...
     assert contains_words(first.observation, entity) and not contains_words(question.question, entity)
+    assert second.action.content == hop_query(entity, question, example.forms[1])
     # ...and it brought a gold passage the first search had not, which holds the answer.
     new = {p.id for p in second.passages} - {p.id for p in first.passages}
     assert new & {"p1", "p3"}
     assert "London" in second.observation and exact_match(example.trajectory.answer, ["London"]) == 1.0
-    assert f"mentions {entity}" in second.text
 
 
 def test_multi_hop_question_without_a_useful_second_hop_falls_back_to_single():
@@ -204,12 +208,57 @@ def test_retry_example_searches_again_after_a_miss():
               Passage.from_title_text("p7", "Admiral", "An admiral of the navy of a country, a city or grace.")]
     question = q("pq3", "In what city was Grace Hopper, the admiral of the navy of the country, born?",
                  ["New York City"], dataset="popqa", subj="Hopper", prop="place of birth")
-    (example,), _, retriever = build([question], corpus=corpus, topk=1)
-    assert example.kind is wsd.ExampleKind.RETRY
-    first, second, last = example.trajectory.turns
-    assert "New York" not in first.observation and "New York City" in second.observation
-    assert second.action.content == "Hopper born" and retriever.queries == [first.action.content, "Hopper born"]
-    assert "search again" in second.text
+    kinds = set()
+    for seed in range(30):  # the forms drawn differ by seed: some first searches find it, some do not
+        examples, _, retriever = build([question], corpus=corpus, topk=1, seed=seed)
+        for example in examples:
+            kinds.add(example.kind)
+            if example.kind is wsd.ExampleKind.SINGLE:
+                assert "New York City" in example.trajectory.turns[0].observation
+                continue
+            assert example.kind is wsd.ExampleKind.RETRY
+            first, second, last = example.trajectory.turns
+            assert "New York" not in first.observation and "New York City" in second.observation
+            # The search again is another form of the question, with other terms than the first search's.
+            forms = query_forms(question)
+            assert [first.action.content, second.action.content] == [forms[f] for f in example.forms]
+            assert query_terms(first.action.content) != query_terms(second.action.content)
+            assert retriever.queries == [first.action.content, second.action.content]
+            assert "search again" in second.text
+    assert kinds == {wsd.ExampleKind.SINGLE, wsd.ExampleKind.RETRY}
+
+
+def test_query_forms_are_drawn_per_question_and_seed():
+    """The form of a question's queries depends on the build seed and the question alone: the same in any
+    build, whatever other questions it holds and in whatever order; another seed draws others."""
+    questions = [
+        q("n1", "who designed the analytical engine", ["Charles Babbage"], gold_passage_ids=["p2"]),
+        q("n2", "Who designed the Analytical Engine?", ["Charles Babbage"], gold_passage_ids=["p2"]),
+        q("n3", "Charles Babbage was born in which city?", ["London"], gold_passage_ids=["p3"]),
+        q("n4", "When was the Analytical Engine first described?", ["1837"], gold_passage_ids=["p2"]),
+        q("pq1", "What is Ada Lovelace's occupation?", ["writer"], dataset="popqa", subj="Ada Lovelace",
+          prop="occupation"),
+    ]
+
+    def first_queries(qs, seed):
+        examples, report, _ = build(qs, seed=seed)
+        assert sum(report.drawn.values()) == len(qs)
+        kept_forms = sum(n for by in report.forms.values() for n in by["first"].values())
+        assert kept_forms == len(examples)
+        return {e.question.id: e.trajectory.turns[0].action.content for e in examples}
+
+    zero = first_queries(questions, 0)
+    assert len(zero) == len(questions)
+    assert first_queries(questions, 0) == zero
+    assert first_queries(questions[::-1], 0) == zero
+    assert first_queries(questions[2:3], 0) == {"n3": zero["n3"]}
+    others = [first_queries(questions, seed) for seed in (1, 2, 3)]
+    assert any(o != zero for o in others)
+    for queries in (zero, *others):
+        for question in questions:
+            assert queries[question.id] in query_forms(question).values()
+    # Over seeds, more than one form of the same question is searched.
+    assert len({first_queries(questions[4:], seed)["pq1"] for seed in range(12)}) > 1
 
 
 # ---------------------------------------------------------------- masks
@@ -377,6 +426,9 @@ def test_warm_start_is_cached_by_model_data_and_settings(offline_warm_start):
     assert saved["key"] == first.name and saved["learning_rate"] == 1e-4  # the resolved config is written
     report = json.loads((first / sft.REPORT_FILE).read_text())
     assert report["examples"] == {"total": 2, "single": 2, "multi": 0, "retry": 0}
+    # The build counts the first query's form of every question, and the forms of the examples it kept.
+    assert sum(report["build"]["drawn"].values()) == 2
+    assert sum(report["build"]["forms"]["single"]["first"].values()) == 2
     assert len((first / sft.EXAMPLES_FILE).read_text().splitlines()) == 2
     # Same inputs: reused without training, whatever the settings outside the key.
     assert run(threads=1, logging_steps=1) == first and calls == [2]

@@ -20,16 +20,9 @@ import torch
 from eviback import device as devices
 from eviback.generation import vllm as vllm_module
 from eviback.generation.base import SamplerRNG, SamplingConfig, sleep_backend, wake_backend
-from eviback.generation.vllm import (
-    ENGINE_RECORD,
-    GIB,
-    VllmBackend,
-    VllmConfig,
-    engine_device,
-    get_vllm_backend,
-    resolved_config,
-    sleep_enabled,
-)
+from eviback.generation.memory import GIB
+from eviback.generation.vllm import ENGINE_RECORD, VllmBackend, get_vllm_backend
+from eviback.generation.vllm_config import VllmConfig, engine_device, resolved_config, sleep_enabled
 
 # --------------------------------------------------------------------------------------------------
 # A scripted engine

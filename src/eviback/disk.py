@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eviback.unavailable import error_chain
+
 # What a full disk (or a full quota) looks like when it is not an OSError: safetensors' Rust writer raises
 # `SafetensorError: ... I/O error: No space left on device (os error 28)`, torch.save a RuntimeError.
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -28,15 +30,11 @@ FULL_WORDS = ("no space left on device", "os error 28", "disk quota exceeded", "
 def full_disk_error(error: BaseException) -> BaseException | None:
     """The error in `error`'s chain (itself, or what it was raised from or during) that says the disk or the
     quota is full; None when none does."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in error_chain(error):
         if isinstance(current, OSError) and current.errno in FULL_ERRNOS:
             return current
         if any(words in str(current).lower() for words in FULL_WORDS):
             return current
-        current = current.__cause__ or current.__context__
     return None
 
 

@@ -8,6 +8,8 @@ exceptions wrap it (:meth:`ServiceUnavailable.found_in`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 # The exit status of a command stopped by something outside it that passes (a service that stopped answering,
 # a full disk): sysexits' EX_TEMPFAIL. What it did is kept; the same command (with --resume for a training run)
 # goes on once the cause is gone.
@@ -39,12 +41,15 @@ class ServiceUnavailable(RuntimeError):
     def found_in(cls, error: BaseException) -> ServiceUnavailable | None:
         """The error of this class that `error` is, or was raised from or during (through any exceptions that
         wrap it, short of one raised `from None`), or None."""
-        seen: set[int] = set()
-        current: BaseException | None = error
-        while current is not None and id(current) not in seen:
-            if isinstance(current, cls):
-                return current
-            seen.add(id(current))
-            # an error raised `from None` hid its context on purpose (e.g. a refusal at the start)
-            current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
-        return None
+        return next((e for e in error_chain(error) if isinstance(e, cls)), None)
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what it was raised from or during, and so on (each once), short of an error raised `from
+    None`, which hid its context on purpose (e.g. a refusal at the start)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        yield current
+        seen.add(id(current))
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)

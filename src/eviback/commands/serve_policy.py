@@ -1,6 +1,7 @@
 """Serve a policy with vLLM's own server, for `backend=vllm-server` (TRL's server mode).
 
-  eviback serve-policy                          the bundled SmolLM2 on http://0.0.0.0:8002
+  eviback serve-policy                          the bundled SmolLM2 on http://127.0.0.1:8002
+  eviback serve-policy DIR --host 0.0.0.0       reachable from other machines (trainers on other nodes)
   eviback serve-policy DIR --port 8002          any local HF model directory
   eviback serve-policy DIR --vllm-args "--gpu-memory-utilization 0.9 --tensor-parallel-size 2"
   eviback serve-policy DIR --print              print the command and exit
@@ -14,6 +15,10 @@ It prints the `vllm serve` command it runs (with VLLM_SERVER_DEV_MODE=1, which v
 weight-transfer endpoints; the flags are those `trl vllm-serve` sets) and then becomes that server. A bundled
 model is converted to a checkpoint directory first, which `vllm serve` can read. The trainer's model must be
 the one served (the backend checks the tokenizer on connect); its weights are pushed before the first rollout.
+
+It listens on the loopback address by default: a training server runs vLLM's development endpoints, which
+accept new weights (and reset the cache) from anyone who reaches the port. `--host 0.0.0.0` (or a private
+address) opens it to trainers on other machines, with a warning; keep such a port on a private network.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import shlex
 import sys
 
 from eviback import dtype as dtypes
-from eviback.generation.server import DEFAULT_PORT, DEV_MODE_ENV, serve_command
+from eviback.generation.server import DEFAULT_PORT, DEV_MODE_ENV, LOOPBACK, is_loopback, serve_command
 from eviback.policy import DEFAULT_MODEL, resolve_model
 from eviback.vllm_process import vllm_argv
 
@@ -35,7 +40,9 @@ HELP = "serve a policy with vLLM's server for backend=vllm-server (TRL's server 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help="model name (see eviback.policy) or local checkpoint directory (default: %(default)s)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--host", default=LOOPBACK, help="address to listen on (default: %(default)s, this machine "
+                        "only; 0.0.0.0 for trainers on other machines: the weight-push endpoints are then open to "
+                        "anyone who reaches the port)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=dtypes.CHOICES,
                         help="the bundled model's checkpoint dtype, and vLLM's --dtype (default: %(default)s)")
@@ -56,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     command = serve_command(directory, port=args.port, host=args.host, training=not args.generation_only,
                             extra=extra)
     print(f"{DEV_MODE_ENV}=1 {shlex.join(command)}", flush=True)
+    if not args.generation_only and not is_loopback(args.host):
+        print(f"eviback serve-policy: warning: listening on {args.host}: vLLM's development endpoints, which "
+              f"replace the served weights, accept requests from anyone who can reach port {args.port}; keep it on "
+              "a private network", file=sys.stderr, flush=True)
     if args.print:
         return 0
     if importlib.util.find_spec("vllm") is None:

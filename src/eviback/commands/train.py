@@ -71,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
         full = full_disk_error(e)
         if unavailable is not None:
             print(stop_message(unavailable, config, output, resume_command(args, output)), file=sys.stderr)
-            return unavailable.exit_code
+            return leave(unavailable.exit_code)
         if full is not None:
             print(disk_full_message(full, config, output, resume_command(args, output)), file=sys.stderr)
-            return RESUMABLE_EXIT
+            return leave(RESUMABLE_EXIT)
         raise
     if result.eval_summary is not None:
         tables = {"start": result.start_summary} if result.start_summary is not None else {}
@@ -83,6 +83,20 @@ def run(args: argparse.Namespace) -> int:
         print_summary(result.run_dir)
     print(f"run: {result.run_dir}\nmodel: {result.final_model}\nreport: {result.report}")
     return 0
+
+
+def leave(code: int) -> int:
+    """How a stopped run ends: in one process, by returning `code`. Under a launcher (torchrun, accelerate
+    launch) the other processes may be waiting in a collective this one will never join: this process exits at
+    once with `code`, without the interpreter's shutdown (which would tear down the process group, and with
+    NCCL can wait on the others), so that the launcher sees it end and stops the rest instead of leaving them
+    to the collective's timeout. The launcher itself then reports the run as failed; the paragraph above says
+    how to resume it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def print_summary(run_dir: Path) -> None:

@@ -228,6 +228,25 @@ def iter_weights(
     return weights.items() if isinstance(weights, Mapping) else weights
 
 
+def check_prompt_lengths(prompts: Sequence[Sequence[int]], max_context: int, engine: str) -> None:
+    """Refuse a call with a prompt that leaves no room to generate in `max_context` (the engine's longest
+    prompt + completion; `engine` names where that limit comes from, e.g. "max_model_len=4096")."""
+    too_long = [len(p) for p in prompts if len(p) >= max_context]
+    if too_long:
+        raise ValueError(f"a prompt of {max(too_long)} tokens does not fit {engine}")
+
+
+def vllm_finish_reason(finish: str | None, stop_reason: object) -> FinishReason:
+    """The FinishReason of a vLLM output (in-process or served: the same engine), from its `finish_reason` and
+    `stop_reason` (a string: the stop string that ended it; None or a token id: EOS). Raises ValueError for
+    anything else (an aborted request)."""
+    if finish == "length":
+        return FinishReason.LENGTH
+    if finish == "stop":
+        return FinishReason.STOP if isinstance(stop_reason, str) else FinishReason.EOS
+    raise ValueError(f"vLLM ended a request with finish_reason={finish!r}")
+
+
 def request_caps(count: int, params: SamplingConfig, max_tokens: Sequence[int] | None) -> list[int]:
     """The per-prompt token caps of a call, validated."""
     if max_tokens is None:

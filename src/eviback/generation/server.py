@@ -51,7 +51,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from eviback.generation.base import Completion, FinishReason, SamplingConfig, iter_weights, request_caps
+from eviback.generation.base import (
+    Completion,
+    SamplingConfig,
+    check_prompt_lengths,
+    iter_weights,
+    request_caps,
+    vllm_finish_reason,
+)
 from eviback.protocol import ANSWER_STOP, SEARCH_STOP
 from eviback.settings import check_fields
 from eviback.unavailable import ServiceUnavailable
@@ -80,7 +87,22 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves its weight-transfer and cac
 PROBE = f"Who wrote Hamlet in 1601?{SEARCH_STOP} <information>Doc 1(Title: \"Hamlet\") ...</information>{ANSWER_STOP}"
 
 
-def serve_command(model_dir: str, *, port: int = DEFAULT_PORT, host: str = "0.0.0.0", training: bool = True,
+LOOPBACK = "127.0.0.1"  # where `eviback serve-policy` listens unless told: its weight-push endpoints are open
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an address of this machine only (127.x.x.x, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_command(model_dir: str, *, port: int = DEFAULT_PORT, host: str = LOOPBACK, training: bool = True,
                   extra: Sequence[str] = ()) -> list[str]:
     """The `vllm serve` command line for `model_dir` (run it with ``VLLM_SERVER_DEV_MODE=1`` in the
     environment when `training`: the weight push and the prefix-cache reset are dev-mode endpoints)."""
@@ -307,10 +329,7 @@ class VllmServerBackend:
     ) -> list[Completion]:
         """One Completion per prompt (prompts: token ids, each of shape (L_i,)), all requests in flight at once."""
         caps = request_caps(len(prompts), params, max_tokens)
-        too_long = [len(p) for p in prompts if len(p) >= self.max_context]
-        if too_long:
-            raise ValueError(f"a prompt of {max(too_long)} tokens does not fit the server's max_model_len="
-                             f"{self.max_context}")
+        check_prompt_lengths(prompts, self.max_context, f"the server's max_model_len={self.max_context}")
         if not prompts:
             return []
         seeds = self._seeds(len(prompts)) if self.config.seeded else [None] * len(prompts)
@@ -347,13 +366,10 @@ class VllmServerBackend:
 
     def _completion(self, choice: Mapping[str, Any], params: SamplingConfig) -> Completion:
         ids = tuple(choice["token_ids"] or ())
-        finish = choice.get("finish_reason")
-        if finish == "length":
-            reason = FinishReason.LENGTH
-        elif finish == "stop":
-            reason = FinishReason.STOP if isinstance(choice.get("stop_reason"), str) else FinishReason.EOS
-        else:
-            raise ServerError(f"the policy server ended a request with finish_reason={finish!r}")
+        try:
+            reason = vllm_finish_reason(choice.get("finish_reason"), choice.get("stop_reason"))
+        except ValueError as e:
+            raise ServerError(f"the policy server: {e}") from None
         logprobs: tuple[float, ...] = ()
         if params.logprobs:
             values = (choice.get("logprobs") or {}).get("token_logprobs") or []

