@@ -127,3 +127,39 @@ def test_a_cached_judge_is_named_by_key_or_hash(tmp_path, monkeypatch):
         resolve_judge("abc")
     with pytest.raises(FileNotFoundError, match="no evidence judge"):
         resolve_judge("123456")
+
+
+def test_a_judge_measured_elsewhere_is_measured_again_where_the_run_computes(tmp_path, monkeypatch):
+    """A judge's verdict holds where it was measured: a judge whose build measured it on a GPU in bf16 is
+    measured again from its held-out examples where the run computes (here the CPU), recorded in judge.json,
+    and judged by those figures; a second run reads them."""
+    from types import SimpleNamespace
+
+    from eviback.data import write_jsonl
+    from eviback.device import place
+    from eviback.teacher.evidence_judge import judge_policy
+    from eviback.train.judge_builder import HELDOUT_FILE, JudgeExample, placement_name
+    from eviback.types import Status
+
+    monkeypatch.setenv("EVIBACK_CACHE", str(tmp_path / "cache"))
+    path = _judge_dir(tmp_path / "gpu-built", {"n": 2, "gate_balanced_accuracy": 0.82, "measured_on": "cuda/bfloat16"})
+    examples = [JudgeExample("q1", "Who wrote Hamlet?", "Doc 1(Title: \"Hamlet\") ...", Status.SUFFICIENT, "search"),
+                JudgeExample("q2", "Who wrote Emma?", "Doc 1(Title: \"Mars\") ...", Status.INSUFFICIENT, "rollout")]
+    write_jsonl(path / HELDOUT_FILE, [dataclasses.asdict(e) for e in examples])
+    measured = []
+
+    def figures(client, heldout):
+        measured.append([e.question_id for e in heldout])
+        return {"n": len(heldout), "gate_balanced_accuracy": 0.55}
+
+    monkeypatch.setattr(judge_builder, "EvidenceJudgeClient", lambda directory, sha, device: SimpleNamespace())
+    monkeypatch.setattr(judge_builder, "heldout_figures", figures)
+    with pytest.raises(WeakJudgeError, match="0.550"):
+        check_stage_a(judge_policy(SHA), accept_weak=False, device="cpu")
+    here = placement_name(place("cpu"))
+    doc = json.loads((path / "judge.json").read_text())
+    assert doc["heldout_on"][here]["gate_balanced_accuracy"] == 0.55 and measured == [["q1", "q2"]]
+    assert check_stage_a(judge_policy(SHA), accept_weak=True, device="cpu").gate == 0.55 and len(measured) == 1
+    doc["heldout"]["measured_on"] = here  # measured where the run computes: the build's own figures
+    (path / "judge.json").write_text(json.dumps(doc))
+    assert check_stage_a(judge_policy(SHA), accept_weak=False, device="cpu").gate == 0.82 and len(measured) == 1

@@ -126,7 +126,7 @@ class StopMatcher:
         if cached is None:
             cached = self._device_tables = {}
         if key not in cached:
-            cached[key] = torch.as_tensor(self.table, dtype=torch.long).to(device)
+            cached[key] = torch.as_tensor(self.table, dtype=torch.long, device=device)
         return cached[key]
 
 

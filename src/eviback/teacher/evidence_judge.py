@@ -58,7 +58,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eviback.cache import cache_dir
 from eviback.device import Placement, place, record
@@ -415,12 +415,14 @@ class Competence:
         return {**dataclasses.asdict(self), "weak": self.weak}
 
 
-def competence(directory: str | os.PathLike, floor: float = GATE_FLOOR) -> Competence:
+def competence(directory: str | os.PathLike, floor: float = GATE_FLOOR,
+               heldout: dict[str, Any] | None = None) -> Competence:
     """The competence of the judge in `directory`, from the held-out figures its build recorded (so a judge
-    cached before the check existed is judged by the same rule)."""
+    cached before the check existed is judged by the same rule), or from `heldout` (figures measured
+    elsewhere: on the device a run computes on)."""
     directory = Path(directory)
     doc = json.loads((directory / JUDGE_FILE).read_text())
-    heldout = doc.get("heldout") or {}
+    heldout = heldout if heldout is not None else (doc.get("heldout") or {})
     loss = (doc.get("train") or {}).get("last_loss")
     return Competence(
         judge=str(doc.get("key") or directory.name), sha256=str(doc.get("sha256", "")),

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 from eviback import device as devices
 from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
-from eviback.data import check_no_eval_overlap, load_suite, read_training_questions
+from eviback.data import check_no_eval_overlap, load_suite, read_jsonl, read_training_questions, write_jsonl
 from eviback.log_format import quiet
 from eviback.policy import DEFAULT_MODEL, load_tokenizer, set_threads
 from eviback.protocol import render_observation
@@ -130,6 +130,9 @@ CROSS_ENCODER_BUILDER = 3
 CALIBRATION_FOLDS = 5
 # beside policy.json (Stage B the teacher's LLM): the policy a local teacher trains with (Stage B extractive)
 EXTRACTIVE_POLICY_FILE = "policy-extractive.json"
+# The held-out examples a build measured the judge on: kept beside it, so that a run computing elsewhere (another
+# device, another dtype) measures its verdict again where it computes (:func:`check_stage_a`).
+HELDOUT_FILE = "heldout.jsonl.gz"
 
 
 def _help(text: str, **kwargs: Any) -> Any:
@@ -557,10 +560,11 @@ def fit_head(features: Any, examples: Sequence[JudgeExample]) -> Head:
     import torch
 
     index = {s: i for i, s in enumerate(LABELS)}
-    labels = torch.tensor([index[e.label] for e in examples])
-    weights = torch.tensor(class_weights(examples))
-    weight = torch.zeros(len(LABELS), features.shape[1], requires_grad=True)
-    bias = torch.zeros(len(LABELS), requires_grad=True)
+    # on the host, where embed_examples leaves the features: a full-batch fit of a few thousand rows
+    labels = torch.tensor([index[e.label] for e in examples], device="cpu")
+    weights = torch.tensor(class_weights(examples), device="cpu")
+    weight = torch.zeros(len(LABELS), features.shape[1], requires_grad=True, device="cpu")
+    bias = torch.zeros(len(LABELS), requires_grad=True, device="cpu")
     penalty = 1.0 / (2 * len(examples))
     optimizer = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=500, tolerance_grad=1e-6,
                                   line_search_fn="strong_wolfe")
@@ -866,7 +870,9 @@ def build_judge(config: EvidenceJudgeConfig | None = None, *, progress: Callable
             doc["calibration"] = calibration
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
         sha = model_sha256(tmp)
-        figures = heldout_figures(EvidenceJudgeClient(tmp, sha, device=config.device), heldout)
+        client = EvidenceJudgeClient(tmp, sha, device=config.device)
+        figures = {**heldout_figures(client, heldout), "measured_on": placement_name(client.placement)}
+        write_jsonl(tmp / HELDOUT_FILE, [dataclasses.asdict(e) for e in heldout])
         progress("held-out training questions: " + summary_line(figures))
         doc.update(sha256=sha, heldout=figures, build_seconds=round(time.perf_counter() - start, 1))
         (tmp / JUDGE_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -931,18 +937,63 @@ class WeakJudgeError(ValueError):
     """A training run's Stage A would be a weak evidence judge (:func:`check_stage_a`)."""
 
 
-def check_stage_a(policy: Any, *, accept_weak: bool, ref: str = "") -> Competence | None:  # a TeacherPolicy
+def placement_name(placement: Any) -> str:
+    """How a judge's held-out figures name where they were measured: the device kind and the dtype
+    (`cpu/bfloat16`, `cuda/bfloat16`, `cpu/float32`): what changes its numerics."""
+    return f"{placement.kind}/{placement.dtype}"
+
+
+def heldout_where(directory: Path, device: str | devices.Placement = "auto") -> dict[str, Any] | None:
+    """The judge's held-out figures as measured where a run would compute with it (`device`, the judge's own
+    dtype rule): the build's own when it measured there, else measured now from its held-out examples
+    (`heldout.jsonl.gz`) and recorded in judge.json under `heldout_on` (so the next run reads them); None for a
+    judge whose build kept no held-out examples (built before they were kept) when it measured elsewhere."""
+    doc_path = directory / JUDGE_FILE
+    doc = json.loads(doc_path.read_text())
+    placement = devices.place(device)
+    here = placement_name(placement)  # the client's own: its dtype setting is `auto` too
+    built = (doc.get("heldout") or {}).get("measured_on") or "{}/{}".format(
+        (doc.get("train") or {}).get("device", "cpu").split(":")[0], (doc.get("train") or {}).get("dtype", "float32"))
+    if here == built:
+        return doc.get("heldout")
+    if here in (doc.get("heldout_on") or {}):
+        return doc["heldout_on"][here]
+    examples_path = directory / HELDOUT_FILE
+    if not examples_path.exists():
+        return None
+    heldout = [JudgeExample(**{**row, "label": Status(row["label"])}) for row in read_jsonl(examples_path)]
+    log.info("the evidence judge %s was measured on %s; this run computes on %s: measuring its %d held-out "
+             "examples there", directory.name, built, here, len(heldout))
+    figures = {**heldout_figures(EvidenceJudgeClient(directory, doc["sha256"], device=placement), heldout),
+               "measured_on": here}
+    with file_lock(cache_dir() / "locks" / f"judge-{doc.get('key', directory.name)}.lock"):
+        doc = json.loads(doc_path.read_text())
+        doc.setdefault("heldout_on", {})[here] = figures
+        tmp = doc_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        os.replace(tmp, doc_path)
+    return figures
+
+
+def check_stage_a(policy: Any, *, accept_weak: bool, ref: str = "",
+                  device: str | devices.Placement = "auto") -> Competence | None:  # a TeacherPolicy
     """The competence of the trained judge that decides `policy`'s status, or None when its Stage A is no
     trained judge. A weak judge (:func:`eviback.teacher.evidence_judge.competence`) raises
     :class:`WeakJudgeError`, one paragraph naming its figures and the fix, unless `accept_weak` (then it is
     logged as a warning). `ref`: the policy as the run names it (a policy file beside its judge makes that
-    judge findable)."""
+    judge findable). The verdict is that of the held-out figures measured where the run computes (`device`):
+    a judge built on a CPU in fp32 and used on a GPU in bf16 is measured again there (:func:`heldout_where`)."""
     sha = stage_a_judge(policy)
     if sha is None:
         return None
     if ref:
         register_judge_beside(ref)
-    check = competence(find_judge(sha))
+    directory = find_judge(sha)
+    figures = heldout_where(directory, device)
+    if figures is None:
+        log.warning("the evidence judge %s was measured on another device or dtype than this run's, and its build "
+                    "kept no held-out examples to measure it again: its verdict is the build's", directory.name)
+    check = competence(directory, heldout=figures)
     if not check.weak:
         log.info("teacher: the evidence judge %s as Stage A: %s", check.judge, check.figures())
         return check

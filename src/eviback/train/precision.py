@@ -69,7 +69,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         """The L2 norm of the accumulated fp32 gradients."""
         grads = [m.grad for _, m in self.pairs if m.grad is not None]
         if not grads:
-            return torch.zeros(())
+            return torch.zeros((), device=self.pairs[0][1].device if self.pairs else "cpu")
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
     @torch.no_grad()
