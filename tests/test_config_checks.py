@@ -26,7 +26,7 @@ from eviback.settings import field_types, type_name
 
 SUFFIXES = ("Config", "Settings")
 # Dataclasses that carry a user's settings although their names do not say so.
-ALSO = ("eviback.experiment.config.Arm", "eviback.train.config.BehaviourCorrection")
+ALSO = ("eviback.experiment.config.Arm", "eviback.train.config.BehaviourCorrection", "eviback.protocol.PromptStyle")
 # Config classes that do not check their fields yet, and why.
 PENDING: dict[str, str] = {}
 
@@ -220,6 +220,17 @@ RANGES = [
     ("train.judge_builder.EvidenceJudgeConfig", {"epochs": 0.0}, r"epochs=0.0 \(--epochs; judge_epochs"),
     ("train.sft.WarmStartConfig", {"max_examples": 0}, r"max_examples must be >= 1"),
     ("train.sft.WarmStartConfig", {"multi_search_share": 2.0}, r"multi_search_share must be between 0 and 1"),
+    ("train.sft.WarmStartConfig", {"prompt": {"template": "none"}}, r"WarmStartConfig.prompt: unknown prompt "
+                                                                     r"setting\(s\) \['template'\]"),
+    ("train.lora.LoraSettings", {"rank": -1}, r"lora_rank must be >= 0"),
+    ("train.lora.LoraSettings", {"alpha": float("nan")}, r"lora_alpha must be a number >= 0"),
+    ("train.lora.LoraSettings", {"dropout": 1.0}, r"lora_dropout must be in \[0, 1\)"),
+    ("train.lora.LoraSettings", {"target_modules": []}, r"lora_target_modules must name at least one module"),
+    ("train.lora.LoraSettings", {"target_modules": ["all-linear", "q_proj"]}, r"all-linear already covers"),
+    ("protocol.PromptStyle", {"chat_template": "base"}, r"chat_template must be 'auto' .* or 'none'"),
+    ("protocol.PromptStyle", {"chat_template_kwargs": {"tokenize": True}}, r"chat_template_kwargs may not set "
+                                                                           r"'tokenize'"),
+    ("evaluate.EvalConfig", {"prompt": {"chat_template": "none"}}, r"EvalConfig.prompt must be a PromptStyle"),
     ("experiment.config.ExperimentConfig", {"steps": 0}, r"steps must be >= 1, got 0"),
     ("experiment.config.ExperimentConfig", {"eval_limit": 0}, r"eval.limit must be >= 1, got 0"),
     ("experiment.config.ExperimentConfig", {"bootstrap_samples": 10}, r"bootstrap_samples must be >= 100"),

@@ -159,6 +159,29 @@ def test_vllms_own_lines_go_to_stderr_at_warning_unless_the_user_chose(quiet_mod
     assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stdout" and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
 
 
+def test_a_process_that_imported_trl_vllm_and_transformers_first_gets_the_commands_levels(restored_environment):
+    """`main([...])` in a process that imported the libraries before configure_logging ran (a test session, a
+    user's script): TRL's import left vLLM at ERROR, which hid every vLLM warning, and transformers had read the
+    environment for its progress bars already. configure_logging tells each directly."""
+    import transformers.utils.logging as hf_logging
+    import trl  # noqa: F401  (its import sets VLLM_LOGGING_LEVEL=ERROR where nobody has)
+    import vllm.logger  # noqa: F401
+
+    vllm_logger = logging.getLogger("vllm")
+    restored_environment.setenv("VLLM_LOGGING_LEVEL", "ERROR")  # as TRL's import leaves it
+    restored_environment.setattr(vllm_logger, "level", logging.ERROR)  # as vLLM configured itself from it
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    before = log_format._verbose
+    try:
+        log_format.configure_logging(logging.INFO)
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING" and vllm_logger.level == logging.WARNING
+        assert not hf_logging.is_progress_bar_enabled() and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        log_format._verbose = before
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+
+
 def test_log_lines_finds_a_log_on_a_commands_stdout():
     results = ["| benchmark | n | EM | F1 |", "|---|---:|---:|---:|", "| nq | 4 | 0.000 | 0.000 |",
                "items: /runs/eval/items.jsonl", "## What happened (the top of the report)", "{", '  "total": 10']

@@ -23,6 +23,7 @@ class CharTokenizer:
     eos_token_id = 0
     eos_token = "\x00"
     pad_token = "\x00"
+    chat_template = "<role>content</role>"  # it has one (apply_chat_template below): a prompt style checks for it
 
     def __call__(self, text, add_special_tokens=False):
         if isinstance(text, list):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -36,10 +37,16 @@ TINY = {
 }
 
 
-def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True):
+def run_train(tmp_path, name: str, steps: int, *extra: str, wait: bool = True, tracker=None):
+    """`eviback train` on the tiny config; with `tracker` (a path), `report_to=[recorder]` records there what the
+    Trainer hands its integrations (tests/tracker_recorder.py)."""
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**TINY, "max_steps": steps}))
-    command = [sys.executable, "-m", "eviback.cli", "train", "--config", str(config),
+    program = ["-m", "eviback.cli"]
+    if tracker is not None:
+        program = [str(Path(__file__).with_name("tracker_recorder.py")), str(tracker)]
+        extra = (*extra, "--set", "report_to=[recorder]")
+    command = [sys.executable, *program, "train", "--config", str(config),
                "--output", str(tmp_path / name), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRL_EXPERIMENTAL_SILENCE", None)  # what a user's shell has: TRL's notices are eviback's to silence
@@ -53,7 +60,10 @@ def records(path):
 
 
 def test_train_writes_a_complete_run_directory(tmp_path):
-    result = run_train(tmp_path, "run", 2)
+    # validated after every step on 2 held-out questions; a tracker integration (report_to) records its logs
+    tracker = tmp_path / "tracker.jsonl"
+    result = run_train(tmp_path, "run", 2, "--set", "val_every=1", "--set", "val_benchmarks=[nq]",
+                       "--set", "val_limit=2", tracker=tracker)
     assert result.returncode == 0, result.stderr[-3000:]
     # the command ends with what the run did, the sentences that open its report
     assert "## What happened (the top of the report)" in result.stdout and "- This run trained" in result.stdout
@@ -102,14 +112,41 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert "<table>" in (run / "report.html").read_text()
     assert (run / "plots" / "training_curves.png").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("checkpoint-"))
+    # each step's line holds its validation (the weights of that step, greedy, on 2 NQ questions); the items too
+    for m in metrics:
+        assert m["val/questions"] == 2 and 0 <= m["val/em"] <= 1 and "val/nq/f1" in m and m["time/validation"] > 0
+        assert m["time/update"] <= m["time/step"] - m["time/validation"]
+        items = run / "val" / f"step-{m['step']:06d}" / "items.jsonl"
+        assert len(items.read_text().splitlines()) == 2
+    assert "Validated 2 times during training on 2 held-out questions" in (run / "report.html").read_text()
+    # the tracker got every figure of every metrics.jsonl line at its step: under its name there, or the same
+    # number under TRL's own name (train/loss is TRL's `loss`)
+    from eviback.train.step_log import TRL_KEYS
+
+    trl_name = {name: key for key, name in TRL_KEYS.items()} | {"train/learning_rate": "learning_rate"}
+    logged = {r["step"]: r["logs"] for r in records(tracker) if "loss" in r["logs"]}
+    assert sorted(logged) == [1, 2]
+    for m in metrics:
+        logs = logged[m["step"]]
+        for key in ("backoff/fallback_share", "teacher/calls", "time/update", "memory/peak_rss_gb", "val/em",
+                    "val/nq/em", "time/validation"):
+            assert key in logs, key
+        for key, value in m.items():
+            if key != "step" and isinstance(value, int | float):
+                assert logs.get(key, logs.get(trl_name.get(key))) == value, key
     # the same directory is not silently reused
     again = run_train(tmp_path, "run", 2)
     assert again.returncode == 2 and "--resume" in again.stderr
 
 
 def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
-    # one rollout per forward/backward pass (4 micro-batches per step), as a memory-bound run sets it
-    process = run_train(tmp_path, "killed", 3, "--set", "micro_batch_rows=1", wait=False)
+    # one rollout per forward/backward pass (4 micro-batches per step), as a memory-bound run sets it; the
+    # learning rate warms up over 2 of the 3 steps (0.67 x 3, rounded down), across the kill
+    settings = ("--set", "micro_batch_rows=1", "--set", "lr_scheduler_type=constant_with_warmup",
+                "--set", "warmup_ratio=0.67")
+    # validated after every step, on one held-out question: the kill may fall in a validation
+    settings += ("--set", "val_every=1", "--set", "val_benchmarks=[nq]", "--set", "val_limit=1")
+    process = run_train(tmp_path, "killed", 3, *settings, wait=False)
     state = tmp_path / "killed" / "checkpoints" / "checkpoint-1" / "trainer_state.json"
     deadline = time.time() + 1200
     while not state.exists() and process.poll() is None and time.time() < deadline:
@@ -120,14 +157,21 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     before = records(tmp_path / "killed" / "metrics.jsonl")
     assert before and before[0]["step"] == 1
 
-    result = run_train(tmp_path, "killed", 3, "--set", "micro_batch_rows=1", "--resume")
+    result = run_train(tmp_path, "killed", 3, *settings, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stderr
     metrics = records(tmp_path / "killed" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]  # each step logged once; step 1 kept from the first run
     assert metrics[0] == before[0]
+    # each step's update used the warm-up's rate (the resumed steps the checkpoint's scheduler): 0, 1/2, 1 x 1e-6
+    assert [m["train/learning_rate"] for m in metrics] == pytest.approx([0.0, 5e-7, 1e-6])
     groups = records(tmp_path / "killed" / "groups.jsonl")
     assert sorted({g["step"] for g in groups}) == [1, 2, 3] and len(groups) == 3 * 2
+    # one validation a step, in its line; a step redone after the kill redid its validation afresh
+    assert all(m["val/questions"] == 1 for m in metrics)
+    for step in (1, 2, 3):
+        items = tmp_path / "killed" / "val" / f"step-{step:06d}" / "items.jsonl"
+        assert len(items.read_text().splitlines()) == 1
 
 
 def test_a_leaky_teacher_is_refused_before_anything_runs(tmp_path):

@@ -154,11 +154,14 @@ SETTING_NAMES = {
     "questions_per_step", "temperature", "top_p", "max_turns", "max_turn_tokens", "max_obs_tokens", "topk", "mode",
     "lam", "adv_eps", "teacher", "teacher_backend", "teacher_model", "teacher_url", "teacher_concurrency",
     "allow_leaky_teacher", "learning_rate", "max_grad_norm", "is_correction", "is_cap", "is_level", "beta",
+    "lr_scheduler_type", "warmup_ratio",
     "loss_type", "max_steps", "save_steps", "save_total_limit", "micro_batch_rows", "gradient_checkpointing", "dtype",
     "seed", "build_seed", "report_to", "eval_benchmarks", "eval_limit", "eval_warm_start", "keep_rollout_steps",
     "teacher_stage_a", "judge_max_questions", "judge_epochs", "judge_rollouts", "teacher_stage_b", "teacher_span_words",
     "device", "judge_base_model", "accept_weak_judge", "retrieval_deadline_s", "judge_architecture",
-    "gpu_memory_utilization", "vllm_sleep_level", "vllm_executor",
+    "gpu_memory_utilization", "vllm_sleep_level", "vllm_executor", "chat_template", "chat_template_kwargs",
+    "val_every", "val_benchmarks", "val_limit",
+    "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged",
 }
 
 

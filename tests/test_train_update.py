@@ -187,6 +187,7 @@ def _loss_and_grads(trainer, model, batch, fast: bool):
                                                      (torch.bfloat16, 2e-2, 0.2)])
 def test_fast_update_gives_trls_loss_and_gradients(tmp_path, dtype, tol, max_padding):
     trainer, model = _trainer(tmp_path, dtype)
+    assert trainer.ref_model.dtype == model.dtype  # TRL builds the reference in the policy's dtype (runner passes none)
     trainer.scoring = dataclasses.replace(trainer.scoring, max_padding=max_padding)  # 0.2: rows of the batch share right-padded decoder batches
     with torch.no_grad():  # move the policy off the reference so that the KL term is not zero
         for p in model.parameters():

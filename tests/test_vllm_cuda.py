@@ -178,6 +178,10 @@ def test_equal_engines_have_equal_resolved_configs():
     explicit = resolved_config(VllmConfig(dtype="bfloat16", device="cuda:0", sleep=True), "cuda:0")
     assert asked == explicit and asked.sleep is True and asked.device == "cuda:0"
     assert resolved_config(VllmConfig(dtype="float32", sleep=True), "cpu").sleep is False
+    # a GPU's share means nothing on the CPU: an evaluation's engine (0.85) and a trainer's (0.3) are one there
+    assert (resolved_config(VllmConfig(dtype="float32", gpu_memory_utilization=0.85), "cpu")
+            == resolved_config(VllmConfig(dtype="float32"), "cpu"))
+    assert resolved_config(VllmConfig(dtype="bfloat16", gpu_memory_utilization=0.85), "cuda:0").gpu_memory_utilization == 0.85
 
 
 # --------------------------------------------------------------------------------------------------

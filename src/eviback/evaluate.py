@@ -47,6 +47,7 @@ from eviback.metrics import (
     trajectory_stats,
 )
 from eviback.policy import DEFAULT_MODEL, resolve_model
+from eviback.protocol import PromptStyle
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutBatch, RolloutConfig, RolloutEngine
 from eviback.settings import check_fields
@@ -206,14 +207,15 @@ def evaluate(
     questions: Sequence[Question],
     *,
     config: RolloutConfig | None = None,
+    prompt: PromptStyle | None = None,
     benchmark: str = "",
     batch_size: int = 64,
 ) -> EvalResult:
     """Greedy evaluation of `backend`'s current policy on `questions` (one rollout each).
 
     `config` supplies the turn and token limits (default: :func:`greedy`'s); its sampling settings are
-    replaced by greedy ones."""
-    engine = RolloutEngine(backend, retriever, greedy(config))
+    replaced by greedy ones. `prompt`: how the prompt reaches the model (default: the chat template)."""
+    engine = RolloutEngine(backend, retriever, greedy(config), prompt=prompt)
     items = evaluate_tasks(engine, [EvalTask(benchmark, q) for q in questions], batch_size=batch_size)
     return EvalResult(tuple(items), rollout_metrics(i.trajectory for i in items))
 
@@ -356,6 +358,9 @@ class EvalConfig:
     rollout: RolloutConfig = field(default_factory=greedy, metadata={
         "help": f"turn and token limits (RolloutConfig; max_turns {EVAL_MAX_TURNS} by default); its sampling "
                 "settings are always greedy's"})
+    prompt: PromptStyle = field(default_factory=PromptStyle, metadata={
+        "help": "how the prompt reaches the model (PromptStyle: chat_template auto or none, chat_template_kwargs); "
+                "a policy is evaluated with the prompt style it was trained with", "identity": True})
     batch_size: int = field(default=0, metadata={"help": "questions per batched rollout (and per resume checkpoint); "
                             f"0: {CPU_EVAL_BATCH} on the CPU, {GPU_EVAL_BATCH} on a GPU"})
     kv_cache_gib: float | None = field(default=None, metadata={"help": "vLLM CPU KV cache in GiB"})
@@ -368,6 +373,8 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.rollout must be a RolloutConfig, got {type(self.rollout).__name__}")
         if not isinstance(self.engine, EngineSettings):
             raise ValueError(f"EvalConfig.engine must be an EngineSettings, got {type(self.engine).__name__}")
+        if not isinstance(self.prompt, PromptStyle):
+            raise ValueError(f"EvalConfig.prompt must be a PromptStyle, got {type(self.prompt).__name__}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
@@ -470,6 +477,7 @@ def _check_resume(out: Path, config: EvalConfig, overwrite: bool) -> None:
             (out / name).unlink(missing_ok=True)
     elif saved.exists() and (out / ITEMS_FILE).exists():
         before = json.loads(saved.read_text()).get("identity", {})
+        before.setdefault("prompt", to_dict(PromptStyle()))  # written before the setting: the chat template
         changed = {k: (before.get(k), v) for k, v in config.identity().items() if before.get(k) != v}
         if changed:
             detail = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
@@ -507,7 +515,7 @@ def run_eval(
         own_retriever = retriever is None
         retriever = retriever or open_retriever(config)
         backend = backend or _load_backend(config)
-        engine = RolloutEngine(backend, retriever, config.rollout)
+        engine = RolloutEngine(backend, retriever, config.rollout, prompt=config.prompt)
         started = time.perf_counter()
         throughput = Throughput()
         batch_size = eval_batch_size(config)

@@ -37,6 +37,9 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
 
 _verbose = False  # set by configure_logging: -v shows every third-party line
+# vLLM's level as the user set it, read when eviback is imported before TRL: TRL's import sets ERROR where
+# nobody had set one, and that ERROR is not the user's choice (configure_logging)
+_USERS_VLLM_LEVEL = None if "trl" in sys.modules else os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 @dataclass(frozen=True)
@@ -173,11 +176,23 @@ def configure_logging(level: int) -> None:
     # vLLM warning of a training run, unknown ones too. vLLM reads both when an engine starts, in this process
     # or one it starts; a value the user set wins.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if _verbose else "WARNING")
-    if not _verbose:
+    vllm_level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if vllm_level is None or (vllm_level == "ERROR" and "trl" in sys.modules and _USERS_VLLM_LEVEL != "ERROR"):
+        vllm_level = os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG" if _verbose else "WARNING"
+        if "vllm.logger" in sys.modules:  # vLLM configured its logger when imported: hold it to the level now
+            vllm_logger = logging.getLogger("vllm")
+            vllm_logger.setLevel(vllm_level)
+            for handler in vllm_logger.handlers:
+                handler.setLevel(vllm_level)
+    if not _verbose and "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ:
         # transformers' and huggingface_hub's own bars (loading weights, writing shards, converting a GGUF
-        # file): steps inside a load that eviback logs itself. A value the user set wins.
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # file): steps inside a load that eviback logs itself. A value the user set wins. Both read the variable
+        # when imported; where one already is (a program that imported it first), it is told directly.
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        if "transformers.utils.logging" in sys.modules:
+            sys.modules["transformers.utils.logging"].disable_progress_bar()  # huggingface_hub's too
+        elif "huggingface_hub.utils" in sys.modules:
+            sys.modules["huggingface_hub.utils"].disable_progress_bars()
 
 
 def verbose() -> bool:

@@ -29,9 +29,10 @@ from eviback.metrics import RolloutMetrics, rollout_metrics
 from eviback.protocol import (
     INVALID_ACTION_MESSAGE,
     STOP_STRINGS,
-    apply_chat_template,
+    PromptStyle,
     extract_answer,
     parse_action,
+    prompt_text,
     render_observation,
     truncate_turn,
 )
@@ -180,13 +181,18 @@ class _Rollout:
 
 
 class RolloutEngine:
-    """Runs Search-R1 rollouts of `backend`'s policy against `retriever`."""
+    """Runs Search-R1 rollouts of `backend`'s policy against `retriever`; `prompt` says how the prompt reaches
+    the model (default: through the tokenizer's chat template). A tokenizer that `prompt` cannot serve (no
+    chat template, with `chat_template: auto`) is refused here, before any rollout."""
 
-    def __init__(self, backend: GenerationBackend, retriever: Retriever, config: RolloutConfig | None = None) -> None:
+    def __init__(self, backend: GenerationBackend, retriever: Retriever, config: RolloutConfig | None = None, *,
+                 prompt: PromptStyle | None = None) -> None:
         self.backend = backend
         self.retriever = retriever
         self.config = config or RolloutConfig()
+        self.prompt = prompt or PromptStyle()
         self.tokenizer = backend.tokenizer
+        self.prompt.check(self.tokenizer)
         if self.config.max_context_tokens > backend.max_context:
             raise ValueError(
                 f"max_context_tokens={self.config.max_context_tokens} exceeds the {backend.name} backend's "
@@ -198,8 +204,8 @@ class RolloutEngine:
         return self.tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
 
     def prompt_ids(self, question: Question) -> list[int]:
-        """The token ids of `question`'s Search-R1 prompt through the chat template."""
-        return self._encode([apply_chat_template(self.tokenizer, question.question)])[0]
+        """The token ids of `question`'s Search-R1 prompt in the engine's prompt style."""
+        return self._encode([prompt_text(self.tokenizer, question.question, self.prompt)])[0]
 
     def rollout(self, questions: Sequence[Question], *, group_size: int | None = None,
                 seed: int | None = None) -> RolloutBatch:
@@ -212,7 +218,7 @@ class RolloutEngine:
         started = time.perf_counter()
         if seed is not None:
             self.backend.reseed(seed)
-        prompts = self._encode([apply_chat_template(self.tokenizer, q.question) for q in questions])
+        prompts = self._encode([prompt_text(self.tokenizer, q.question, self.prompt) for q in questions])
         rollouts = [_Rollout(q, g, list(p)) for q, p in zip(questions, prompts, strict=True) for g in range(group_size)]
         sampling = cfg.sampling()
         timings = []

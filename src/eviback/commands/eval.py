@@ -4,6 +4,7 @@
   eviback eval --data DIR --limit 200            another data suite, first 200 questions per benchmark
   eviback eval --qa dev.jsonl --model CKPT_DIR   any QA file(s), any checkpoint
   eviback eval --retriever http://host:8000      a running `eviback serve` (or an index directory)
+  eviback eval --model CKPT --chat-template none a base model's policy: Search-R1's plain prompt, no template
 
 Writes OUT/items.jsonl (one record per question: trajectory, answer, EM/F1/sub-EM, statistics),
 OUT/summary.json, OUT/summary.md (the table) and OUT/viewer.html. Rerunning the same command resumes:
@@ -20,6 +21,7 @@ import sys
 
 from eviback import device as devices
 from eviback import dtype as dtypes
+from eviback.commands import add_prompt_arguments, prompt_from_args
 from eviback.evaluate import EvalConfig, run_eval, summary_markdown
 from eviback.generation import BACKENDS, EngineSettings
 from eviback.generation.memory import STANDALONE_UTILIZATION
@@ -60,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{STANDALONE_UTILIZATION})")
     model.add_argument("--kv-cache-gib", type=float, help="vLLM on CPU: KV cache size in GiB (default 2)")
     model.add_argument("--threads", type=int, help="torch threads")
+    add_prompt_arguments(model)  # a policy is evaluated with the prompt style it was trained with
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--retriever", help="index directory or http(s) URL of a /retrieve service "
                                              "(default: BM25 over the suite's corpus, built once and cached)")
@@ -82,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
-def run(args: argparse.Namespace) -> int:
-    config = EvalConfig(
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The evaluation the options describe."""
+    return EvalConfig(
         out=args.out or "",
         data=args.data,
         benchmarks=tuple(b.strip() for b in args.benchmarks.split(",") if b.strip()) if args.benchmarks else (),
@@ -100,11 +104,16 @@ def run(args: argparse.Namespace) -> int:
         rollout=RolloutConfig(topk=args.topk, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                               max_observation_tokens=args.max_observation_tokens,
                               max_context_tokens=args.max_context_tokens),
+        prompt=prompt_from_args(args),
         batch_size=args.batch_size,
         kv_cache_gib=args.kv_cache_gib,
         threads=args.threads,
         progress=args.progress,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
     try:
         summary = run_eval(config, overwrite=args.overwrite)
     except Exception as e:

@@ -23,6 +23,7 @@ import os
 
 from eviback import device as devices
 from eviback import dtype as dtypes
+from eviback.commands import add_prompt_arguments, prompt_from_args
 from eviback.policy import load_tokenizer, resolve_model
 from eviback.settings import field_types, parse_setting_value
 from eviback.train import sft
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-observation-tokens", "--max-obs-tokens", dest="max_observation_tokens", type=int,
                         default=d.max_observation_tokens, help="observation cap, as in the rollouts "
                         "(default: %(default)s)")
+    add_prompt_arguments(parser)  # as the rollouts will build the prompt
     parser.add_argument("--epochs", type=float, default=d.epochs, help="default: %(default)s")
     parser.add_argument("--lr", type=float, default=d.learning_rate, help="learning rate (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="default: %(default)s")
@@ -72,7 +74,8 @@ def config_from_args(args: argparse.Namespace) -> WarmStartConfig:
     values = dict(
         model=args.model, data=args.data, train_files=list(args.train_files), retriever=args.retriever,
         max_examples=args.max_examples, multi_search_share=args.multi_search_share,
-        max_observation_tokens=args.max_observation_tokens, epochs=args.epochs, learning_rate=args.lr,
+        max_observation_tokens=args.max_observation_tokens, prompt=prompt_from_args(args), epochs=args.epochs,
+        learning_rate=args.lr,
         batch_size=args.batch_size, gradient_accumulation=args.grad_accum, dtype=args.dtype, device=args.device,
         seed=args.seed,
         threads=args.threads, output=args.output, force=args.force, progress=not args.no_progress,

@@ -137,6 +137,11 @@ def sleep_enabled(config: VllmConfig, device: str) -> bool:
 
 def resolved_config(config: VllmConfig, device: str) -> VllmConfig:
     """`config` with its device, its dtype (decided for that device: eviback.dtype) and its sleep mode
-    resolved, so that equal engines have equal configs whatever `auto` they were asked with."""
+    resolved, so that equal engines have equal configs whatever `auto` they were asked with. On the CPU the
+    GPU's share (`gpu_memory_utilization`) means nothing and takes its default, so an evaluation's engine
+    and a trainer's share one there."""
+    gpu_share = config.gpu_memory_utilization
+    if device == "cpu":
+        gpu_share = VllmConfig.gpu_memory_utilization
     return dataclasses.replace(config, device=device, dtype=dtypes.resolve(config.dtype, device.split(":")[0]),
-                               sleep=sleep_enabled(config, device))
+                               sleep=sleep_enabled(config, device), gpu_memory_utilization=gpu_share)

@@ -2,7 +2,8 @@
 
 Each setting exists once. The rollout settings are the rollout engine's own config (`config.rollout`, a
 :class:`~eviback.rollout.RolloutConfig`), the advantage settings the backoff's (`config.backoff`, a
-:class:`~eviback.backoff.BackoffConfig`), the teacher's a :class:`TeacherSettings` (`config.teacher`);
+:class:`~eviback.backoff.BackoffConfig`), the teacher's a :class:`TeacherSettings` (`config.teacher`),
+the prompt's a :class:`~eviback.protocol.PromptStyle` (`config.prompt`: `chat_template`, `chat_template_kwargs`);
 the engine, TRL's arguments, the advantages and the teacher read those same objects. Settings keep their
 flat names wherever they are given (`group_size`, `lam`, `teacher_url`): :data:`SECTION_SETTINGS` says
 which field each name sets.
@@ -34,16 +35,22 @@ from eviback import dtype as dtypes
 from eviback.backoff import BackoffConfig
 from eviback.generation import BACKENDS, EngineSettings
 from eviback.policy import DEFAULT_MODEL
+from eviback.protocol import PromptStyle
 from eviback.rollout import RolloutConfig
 from eviback.settings import check_fields, check_values, field_types, parse_setting_value
 from eviback.teacher import HttpBackendConfig, JudgeConfig, TeacherConfig
 from eviback.teacher.local import LocalBackendConfig
 from eviback.teacher.openai_http import DEFAULT_BASE_URL
+from eviback.train.lora import LoraSettings
 
 PRESETS_PACKAGE = "eviback.train"
 # TRL 1.16's loss aggregations (GRPOConfig.loss_type; trl is pinned). TRL itself meets an unknown name only in
 # the first loss pass, after the warm start, the engine, the start evaluation and the judge: checked here.
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+# transformers' learning-rate schedules (GRPOConfig.lr_scheduler_type) that need no argument beyond the warm-up
+# and the step count; the others need lr_scheduler_kwargs or evaluation metrics, which a run does not pass.
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                 "inverse_sqrt")
 
 
 @dataclass(frozen=True)
@@ -189,14 +196,22 @@ SECTION_SETTINGS: dict[str, tuple[str, str]] = {
     "is_correction": ("correction", "enabled"),
     "is_cap": ("correction", "cap"),
     "is_level": ("correction", "level"),
+    "lora_rank": ("lora", "rank"),
+    "lora_alpha": ("lora", "alpha"),
+    "lora_dropout": ("lora", "dropout"),
+    "lora_target_modules": ("lora", "target_modules"),
+    "lora_save_merged": ("lora", "save_merged"),
     "policy_url": ("engine", "policy_url"),
     "policy_timeout_s": ("engine", "policy_timeout_s"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
     "vllm_sleep_level": ("engine", "sleep_level"),
     "vllm_executor": ("engine", "executor"),
+    "chat_template": ("prompt", "chat_template"),
+    "chat_template_kwargs": ("prompt", "chat_template_kwargs"),
 }
 SECTIONS: dict[str, type] = {"rollout": RolloutConfig, "backoff": BackoffConfig, "teacher": TeacherSettings,
-                             "correction": BehaviourCorrection, "engine": EngineSettings}
+                             "correction": BehaviourCorrection, "engine": EngineSettings, "prompt": PromptStyle,
+                             "lora": LoraSettings}
 
 
 def context_tokens(max_turns: int, max_turn_tokens: int, max_observation_tokens: int) -> int:
@@ -236,13 +251,23 @@ class TrainConfig:
     questions_per_step: int = field(default=4, metadata={"help": "questions per optimisation step"})
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(max_context_tokens=context_tokens(
         RolloutConfig.max_turns, RolloutConfig.max_turn_tokens, RolloutConfig.max_observation_tokens)))
+    # how the prompt reaches the model, in the rollouts, the warm start and the evaluations alike
+    prompt: PromptStyle = field(default_factory=PromptStyle)
     # ---- the algorithm
     backoff: BackoffConfig = field(default_factory=BackoffConfig)
     teacher: TeacherSettings = field(default_factory=TeacherSettings)
     # ---- optimisation (TRL GRPOTrainer)
     learning_rate: float = field(default=1e-6, metadata={"help": "Search-R1: 1e-6"})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "learning-rate schedule over max_steps "
+                                   "(transformers' names): " + ", ".join(LR_SCHEDULERS) + "; Search-R1: "
+                                   "constant_with_warmup"})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "share of max_steps over which the learning rate "
+                                "rises linearly from 0, in [0, 1): warmup_ratio x max_steps steps, rounded down as "
+                                "Search-R1's verl counts them; needs a schedule other than constant; Search-R1: "
+                                "0.285"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (on the fp32 gradients); 0: off"})
     correction: BehaviourCorrection = field(default_factory=BehaviourCorrection)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # an adapter instead of every weight (lora_rank > 0)
     beta: float = field(default=0.001, metadata={"help": "KL coefficient (k3 estimator); Search-R1: 0.001"})
     loss_type: str = field(default="dapo", metadata={"help": "TRL's loss aggregation (not the baseline mode): "
                            "dapo = token mean over the batch (Search-R1/verl's token-mean); also " + ", ".join(
@@ -269,13 +294,24 @@ class TrainConfig:
     build_seed: int = field(default=0, metadata={"help": "seed of the cached warm start and evidence judge the run "
                             "starts from; apart from `seed`, so that runs of several seeds share one starting point"})
     report_to: list[str] = field(default_factory=list, metadata={"help": "extra logging integrations of "
-                                 "transformers (tensorboard, wandb, ...); metrics.jsonl is always written"})
+                                 "transformers (tensorboard, wandb, trackio, ...); each step they get TRL's figures and "
+                                 "every figure of metrics.jsonl by its name there (validation included); "
+                                 "metrics.jsonl is always written"})
     # ---- evaluation after training
     eval_benchmarks: list[str] = field(default_factory=list, metadata={"help": "benchmarks to evaluate on after "
                                        "training (held-out files of the suite); empty: none"})
     eval_limit: int = field(default=50, metadata={"help": "questions per benchmark in the final evaluation"})
     eval_warm_start: bool = field(default=True, metadata={"help": "evaluate the starting policy on the same "
                                   "questions too, for the before/after table"})
+    # ---- validation during training
+    val_every: int = field(default=0, metadata={"help": "evaluate held-out questions every N optimisation steps "
+                           "(greedy, on the run's own engine with the weights of the step just trained; main process "
+                           "only): val/* figures in that step's metrics.jsonl line, val/step-<N>/ with the items; "
+                           "0: off"})
+    val_benchmarks: list[str] = field(default_factory=list, metadata={"help": "benchmarks of each validation "
+                                      "(held-out files of the suite); empty: eval_benchmarks"})
+    val_limit: int = field(default=0, metadata={"help": "questions per benchmark in each validation, the first N "
+                           "of each file (so the first of the final evaluation's too); 0: eval_limit"})
     # ---- what the run directory keeps
     keep_rollout_steps: int = field(default=10, metadata={"help": "full rollouts (texts, passages) are kept for "
                                     "the last N steps in rollouts/; groups.jsonl keeps a compact line per group"})
@@ -299,6 +335,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be a number > 0, got {self.learning_rate}")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ValueError(f"lr_scheduler_type must be one of {', '.join(LR_SCHEDULERS)} (transformers' schedules "
+                             f"that need no further argument), got {self.lr_scheduler_type!r}")
+        if not math.isfinite(self.warmup_ratio) or not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be a number in [0, 1), the share of max_steps the learning rate "
+                             f"warms up over (Search-R1: 0.285), got {self.warmup_ratio}")
+        if self.warmup_ratio and self.lr_scheduler_type == "constant":
+            # transformers' constant schedule ignores the warm-up: said here rather than trained without it
+            raise ValueError(f"warmup_ratio={self.warmup_ratio} needs a schedule with a warm-up: set "
+                             "lr_scheduler_type=constant_with_warmup (Search-R1's) or another of "
+                             f"{', '.join(LR_SCHEDULERS[2:])}, or warmup_ratio=0")
         if not math.isfinite(self.max_grad_norm) or self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be a number >= 0 (0: no clipping), got {self.max_grad_norm}")
         if not math.isfinite(self.beta) or self.beta < 0:
@@ -315,6 +362,13 @@ class TrainConfig:
                              f"{rollout.max_context_tokens}, logprobs={rollout.logprobs}")
         if self.keep_rollout_steps < 0:
             raise ValueError(f"keep_rollout_steps must be >= 0, got {self.keep_rollout_steps}")
+        for name in ("val_every", "val_limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: {'off' if name == 'val_every' else 'eval_limit'}), got "
+                                 f"{getattr(self, name)}")
+        if self.val_every and not (self.val_benchmarks or self.eval_benchmarks):
+            raise ValueError(f"val_every={self.val_every} needs held-out questions: set val_benchmarks (e.g. "
+                             "val_benchmarks=[nq]) or eval_benchmarks, or val_every=0")
         if self.retrieval_deadline_s <= 0:
             raise ValueError(f"retrieval_deadline_s must be > 0 (seconds a search waits for the retrieval service; "
                              f"Search-R1's wiki-18 index loads in minutes), got {self.retrieval_deadline_s}")
@@ -324,6 +378,13 @@ class TrainConfig:
                              f"= {rollouts} (0: 1 on CPU, one group on a GPU)")
         dtypes.check(self.dtype, allowed=dtypes.TRAINING_DTYPES)
         devices.check_device(self.device)
+
+    @property
+    def warmup_steps(self) -> int:
+        """Optimisation steps of the learning-rate warm-up: `warmup_ratio x max_steps` rounded down, as verl
+        (Search-R1's trainer) counts them (0.285 x 1005 = 286; transformers would round up). The tolerance
+        keeps a product that floating point puts just below a whole number (0.29 x 100) on that number."""
+        return math.floor(self.warmup_ratio * self.max_steps + 1e-9)
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any] | None = None, /, **settings: Any) -> TrainConfig:
@@ -346,7 +407,8 @@ class TrainConfig:
                                                        rollout["max_observation_tokens"])
         return cls(**own, rollout=RolloutConfig(**rollout), backoff=BackoffConfig(**parts["backoff"]),
                    teacher=TeacherSettings(**parts["teacher"]), correction=BehaviourCorrection(**parts["correction"]),
-                   engine=EngineSettings(**parts["engine"]))
+                   engine=EngineSettings(**parts["engine"]), prompt=PromptStyle(**parts["prompt"]),
+                   lora=LoraSettings(**parts["lora"]))
 
     def with_settings(self, **settings: Any) -> TrainConfig:
         """This config with some settings changed (by name, as :meth:`from_settings` takes them)."""

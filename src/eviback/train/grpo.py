@@ -47,11 +47,12 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 
 from eviback.backoff import BackoffConfig, GroupAdvantages, Mode, group_advantages, needs_teacher
-from eviback.generation.base import push_weights, sleep_backend, wake_backend
+from eviback.generation.base import push_weights, sleep_backend, staged_parameters, wake_backend
 from eviback.metrics import exact_match, f1_score
 from eviback.protocol import build_prompt
 from eviback.rollout import RolloutBatch, RolloutEngine
 from eviback.train.config import BehaviourCorrection
+from eviback.train.lora import engine_weights
 from eviback.train.masters import MasterWeights
 from eviback.train.scoring import FastScoring
 from eviback.train.step_records import StepOutcome, merge_outcomes
@@ -157,11 +158,24 @@ class EviBackTrainer(FastScoring, MasterWeights):
         if not self.push_weights or (self._weights_step == self.state.global_step and not discarded):
             return
         t0 = time.perf_counter()
-        model = self.accelerator.unwrap_model(self.model)
+        model = engine_weights(self.accelerator.unwrap_model(self.model))  # LoRA: the merged weights
         # a policy server shared by every process is pushed by the main process, the others waiting for it
         push_weights(self.engine.backend, model, self.accelerator)
         self._weights_step = self.state.global_step
         self._generation.sync_s = time.perf_counter() - t0
+
+    def push_policy(self) -> None:
+        """Push the policy as it is now (the step just trained) into this process's engine, at once and by this
+        process alone: no barrier, so the main process may call it while the others wait elsewhere (validation,
+        :mod:`eviback.train.validation`), a policy server every process shares included."""
+        if not self.push_weights:
+            return
+        model = engine_weights(self.accelerator.unwrap_model(self.model))  # LoRA: the merged weights
+        self.engine.backend.update_weights(staged_parameters(model))
+        # The engine now holds this step's weights: the next rollout need not push them again, unless every
+        # process must take part in that push (a shared server's, with its barrier) or a sleep discards them.
+        if not getattr(self.engine.backend, "shared", False) or self.accelerator.num_processes == 1:
+            self._weights_step = self.state.global_step
 
     def _rollout(self, prompts: list, trainer: Any) -> dict[str, list]:
         """TRL's rollout function: the step's groups rolled out, judged and given their advantages."""

@@ -5,7 +5,9 @@
 
 One run gives `plots/training_curves.png` and `report.html`, which opens with what the run did in a few
 sentences and a small table (:mod:`eviback.train.report_summary`: groups, fallback, the teacher's signal and
-its ceiling, the judge's gate, the held-out change with paired bootstrap intervals); several runs give a
+its ceiling, the judge's gate, the validation curve's ends, the held-out change with paired bootstrap
+intervals); a run that validated during training (`val_every`) gets the validation curves, overall and by
+benchmark, beside the training rollouts' (:data:`VALIDATION_PANEL`, :func:`panels`); several runs give a
 comparison figure with one line per run (e.g. plain GRPO vs EviBack vs DAPO from the same warm start).
 Tables are laid out to fit a laptop's page: the step means one metric per row, one column per run.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,27 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
 ]
 
 
+# The held-out questions evaluated during training (`val_every`; eviback.train.validation), drawn beside the
+# training rollouts' answer quality. Their per-benchmark curves are a panel of their own (`panels`).
+VALIDATION_PANEL: tuple[str, list[tuple[str, str]]] = (
+    "Validation (held-out questions, greedy)",
+    [("val/em", "EM"), ("val/f1", "F1"), ("val/valid_answer_rate", "valid answer")])
+# The panels whose means over the steps the report's table shows (a validation's mean over steps is no figure)
+TABLE_PANELS = ("Answer quality (training rollouts)", "Groups", "Answering", "Searching")
+_BENCHMARK_EM = re.compile(r"val/(.+)/em")
+
+
+def panels(runs: dict[str, Sequence[dict[str, Any]]]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The panels of `runs`' figure: :data:`PANELS`, with the validation panel after the first and, when the runs
+    validated on several benchmarks, one more with each benchmark's validation EM (`val/<benchmark>/em`)."""
+    benchmarks = sorted({m.group(1) for records in runs.values() for r in records for k in r
+                         if (m := _BENCHMARK_EM.fullmatch(k))})
+    extra = [VALIDATION_PANEL]
+    if len(benchmarks) > 1:
+        extra.append(("Validation EM by benchmark", [(f"val/{b}/em", b) for b in benchmarks]))
+    return [PANELS[0], *extra, *PANELS[1:]]
+
+
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in records:
@@ -65,12 +89,12 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    panels = [(t, m) for t, m in PANELS if any(_series(rs, k)[0] for rs in runs.values() for k, _ in m)]
+    drawn = [(t, m) for t, m in panels(runs) if any(_series(rs, k)[0] for rs in runs.values() for k, _ in m)]
     cols = 2
-    rows = max(1, (len(panels) + cols - 1) // cols)
+    rows = max(1, (len(drawn) + cols - 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
     styles = ["-", "--", ":", "-."]
-    for ax, (title, metrics) in zip(axes.flat, panels, strict=False):
+    for ax, (title, metrics) in zip(axes.flat, drawn, strict=False):
         for run_index, (run_name, records) in enumerate(runs.items()):
             for metric_index, (key, label) in enumerate(metrics):
                 xs, ys = _series(records, key)
@@ -86,7 +110,7 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(drawn):]:
         ax.axis("off")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +148,7 @@ def write_report(run_dirs: Sequence[Path], out_dir: Path, extra_html: str = "") 
         found = summarize_run(run_dirs[0])
         summary = {"sentences": found.sentences(), "table": found.table()}
     page = render("training_report.html.j2", runs=list(runs), steps=[len(r) for r in runs.values()],
-                  rows=_mean_rows(runs, PANELS[:4]), summary=summary,
+                  rows=_mean_rows(runs, [p for p in PANELS if p[0] in TABLE_PANELS]), summary=summary,
                   image=base64.b64encode(png.read_bytes()).decode(), extra_html=Markup(extra_html))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.html"

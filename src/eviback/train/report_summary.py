@@ -15,6 +15,8 @@ eval-start/), the questions a reader of the run asks first:
   judge, even a perfect one, could tell apart), and how often the teacher turned that into a signal;
 - the evidence judge's measured gate (its held-out figures, from teacher.json or else its record in the
   cache, and its agreement with the evidence labels in this run), and whether it is weak;
+- where the held-out questions evaluated during training (`val_every`: metrics.jsonl's `val/*`) started, ended
+  and peaked;
 - the held-out figures before and after training, with paired bootstrap intervals (:mod:`eviback.stats`),
   and whether those include 0.
 
@@ -156,6 +158,35 @@ class HeldOut:
 
 
 @dataclass(frozen=True)
+class ValidationPoint:
+    step: int
+    em: float
+    f1: float
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The held-out questions evaluated during training (metrics.jsonl's `val/em`, `val/f1`, `val/questions`)."""
+
+    every: int | None  # val_every (config.yaml); None when not recorded
+    questions: int | None  # questions of the last validation (every one evaluates the same)
+    points: tuple[ValidationPoint, ...]  # in step order, at least one
+
+    @property
+    def first(self) -> ValidationPoint:
+        return self.points[0]
+
+    @property
+    def last(self) -> ValidationPoint:
+        return self.points[-1]
+
+    @property
+    def best(self) -> ValidationPoint:
+        """The highest EM (the earliest such step on a tie)."""
+        return max(self.points, key=lambda p: (p.em, -p.step))
+
+
+@dataclass(frozen=True)
 class RunSummary:
     name: str
     training: Training
@@ -163,6 +194,7 @@ class RunSummary:
     gate: JudgeGate | None
     held_out: HeldOut | None
     teacher: bool  # the run's fallback rewards came from a teacher (mode eviback)
+    validation: Validation | None = None  # None: the run did not validate during training
 
     def sentences(self) -> list[str]:
         """The summary in plain sentences, most important first."""
@@ -193,6 +225,7 @@ def summarize_run(run_dir: str | Path, *, samples: int = BOOTSTRAP_SAMPLES, seed
         gate=_gate(teacher, metrics) if mode == "eviback" else None,
         held_out=_held_out(root / "eval-start", root / "eval", samples, seed),
         teacher=mode == "eviback",
+        validation=_validation(config, metrics),
     )
 
 
@@ -219,6 +252,17 @@ def _training(config: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         questions_per_step=config.get("questions_per_step"), group_size=config.get("group_size"),
         learning_rate=_number(config.get("learning_rate")), lam=_number(config.get("lam")),
         seconds=sum(times) if times else None, final_kl=_number(kl))
+
+
+def _validation(config: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]]) -> Validation | None:
+    points = tuple(ValidationPoint(int(r["step"]), float(r["val/em"]), float(r.get("val/f1") or 0.0))
+                   for r in sorted(metrics, key=lambda r: int(r["step"])) if r.get("val/em") is not None)
+    if not points:
+        return None
+    questions = next((int(r["val/questions"]) for r in reversed(metrics) if r.get("val/questions") is not None),
+                     None)
+    every = config.get("val_every")
+    return Validation(every=int(every) if every else None, questions=questions, points=points)
 
 
 def _passages(rollout: Mapping[str, Any]) -> frozenset:
@@ -454,9 +498,29 @@ def summary_sentences(s: RunSummary) -> list[str]:
             out.append(_alike_sentence(g))
     if gate is not None:
         out.append(_gate_sentence(gate))
+    if s.validation is not None:
+        out.append(_validation_sentence(s.validation))
     if h is not None:
         out.extend(_held_out_sentences(h))
     return out
+
+
+def _validation_sentence(v: Validation) -> str:
+    on = f"on {v.questions} held-out questions" if v.questions else "on held-out questions"
+    if len(v.points) == 1:
+        p = v.first
+        return f"Validated once during training, after step {p.step}, {on} (greedy): EM {p.em:.3f}, F1 {p.f1:.3f}."
+    every = f", every {_n(v.every, 'step')}" if v.every else ""
+    best = v.best
+    peak = (f"; its best EM was {best.em:.3f}, after step {best.step}"
+            if best.step not in (v.first.step, v.last.step) else "")
+    sentence = (f"Validated {len(v.points)} times during training {on} (greedy{every}): EM went from "
+                f"{v.first.em:.3f} after step {v.first.step} to {v.last.em:.3f} after step {v.last.step}, F1 from "
+                f"{v.first.f1:.3f} to {v.last.f1:.3f}{peak}.")
+    if v.questions:
+        sentence += (f" Each point is one pass over the same {v.questions} questions, where one answer moves EM by "
+                     f"about {1 / v.questions:.3f}.")
+    return sentence
 
 
 def _alike_sentence(g: Groups) -> str:
@@ -617,6 +681,14 @@ def summary_table(s: RunSummary) -> list[tuple[str, str]]:
         if gate.weak is not None:
             rows.append(("judge weak (by its held-out figures)",
                          ("yes, accepted by the run" if gate.weak_accepted else "yes") if gate.weak else "no"))
+    if s.validation is not None:
+        v = s.validation
+        on = f" ({v.questions} questions)" if v.questions else ""
+        rows.append((f"validation EM, first -> last{on}",
+                     f"{v.first.em:.3f} (step {v.first.step}) -> {v.last.em:.3f} (step {v.last.step}), best "
+                     f"{v.best.em:.3f} (step {v.best.step})"))
+        rows.append((f"validation F1, first -> last{on}",
+                     f"{v.first.f1:.3f} (step {v.first.step}) -> {v.last.f1:.3f} (step {v.last.step})"))
     if h is not None:
         rows.append((f"held-out F1, start -> trained ({h.items} questions)",
                      f"{h.f1_before:.3f} -> {h.f1_after:.3f}, {_interval(h.f1)}"))

@@ -42,7 +42,7 @@ from eviback.train.config import TrainConfig
 RESUMABLE_CHANGES = frozenset({"max_steps", "save_steps", "save_total_limit", "eval_benchmarks", "eval_limit",
                                "eval_warm_start", "keep_rollout_steps", "teacher_url", "teacher_concurrency",
                                "retriever", "retrieval_deadline_s", "policy_url", "policy_timeout_s",
-                               "gpu_memory_utilization", "vllm_sleep_level", "vllm_executor"})
+                               "gpu_memory_utilization", "vllm_sleep_level", "vllm_executor", "val_every"})
 
 # Settings added after runs had been made whose default is not what those runs did: the value a run whose
 # config.yaml lacks the key ran with (a resumed run is compared with it, not with today's default).

@@ -45,6 +45,7 @@ from eviback.rollout import RolloutConfig, RolloutEngine
 from eviback.teacher import Teacher, TeacherPolicy, build_teacher, load_policy
 from eviback.teacher.evidence_judge import judge_policy
 from eviback.teacher.extractive import with_max_words
+from eviback.train import lora
 from eviback.train.config import TrainConfig
 from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge, check_stage_a, stage_a_record
 from eviback.train.launch import check_launch
@@ -59,6 +60,8 @@ from eviback.types import Question
 # precision) take seconds to import: they are imported where a run first needs them, so that `eviback train`
 # checks its settings and refuses a bad one at once.
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from accelerate import PartialState
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -86,13 +89,19 @@ class Precision(enum.StrEnum):
     MASTERS = "bf16 model + fp32 masters"  # CPU, bfloat16: bf16 forward/backward, fp32 sums and AdamW
     AUTOCAST = "fp32 model + bf16 autocast"  # GPU, bfloat16: accelerate's mixed precision
     FLOAT32 = "float32"
+    # LoRA, bfloat16: the frozen base in bf16, PEFT's adapter in fp32 (its own master copy; train/lora.py); on a
+    # GPU under accelerate's bf16 autocast, on a CPU without (as MASTERS computes)
+    LORA = "bf16 frozen base + fp32 LoRA adapter"
 
 
-def training_precision(dtype: str, cuda: bool) -> Precision:
+def training_precision(dtype: str, cuda: bool, lora: bool = False) -> Precision:
     """CPUs with bf16 instructions run a bf16 copy fastest (autocast there is about half as fast); on GPUs
-    accelerate's mixed precision is the usual, well-tested way."""
+    accelerate's mixed precision is the usual, well-tested way. With LoRA (`lora`) only the adapter trains: it
+    is fp32 and the base, which never changes, stays in bf16 on either device."""
     if dtype == "float32":
         return Precision.FLOAT32
+    if lora:
+        return Precision.LORA
     return Precision.AUTOCAST if cuda else Precision.MASTERS
 
 
@@ -137,13 +146,9 @@ def initial_policy(config: TrainConfig) -> str:
     if not config.warm_start:
         return resolve_model(config.model, "float32")
 
-    warm = WarmStartConfig(
-        model=config.model, data=config.data, retriever=config.retriever,
-        retrieval_deadline_s=config.retrieval_deadline_s,
-        max_examples=config.warm_start_examples, topk=config.rollout.topk,
-        max_observation_tokens=config.rollout.max_observation_tokens,
-        seed=config.build_seed, dtype=config.dtype, device=config.device,
-    )
+    warm = warm_start_config(config)
+    # a tokenizer the prompt style cannot serve is refused here, in one line, not in the warm start's process
+    config.prompt.check(load_tokenizer(config.model, "float32"), config.model)
     # Fine-tuning peaks at several GB that the allocator keeps after it returns: train in a child process,
     # so that memory is given back before the engine, the trainer and the teacher load. The child saves the
     # model in the cache and writes its directory to `answer`.
@@ -160,6 +165,17 @@ def initial_policy(config: TrainConfig) -> str:
             raise RuntimeError(f"the warm start failed in its process (exit code {done.returncode}); its error "
                                "is printed above")
         return answer.read_text()
+
+
+def warm_start_config(config: TrainConfig) -> WarmStartConfig:
+    """The warm start of a run: its model, data and build seed, the rollouts' search settings and prompt style."""
+    return WarmStartConfig(
+        model=config.model, data=config.data, retriever=config.retriever,
+        retrieval_deadline_s=config.retrieval_deadline_s,
+        max_examples=config.warm_start_examples, topk=config.rollout.topk,
+        max_observation_tokens=config.rollout.max_observation_tokens, prompt=config.prompt,
+        seed=config.build_seed, dtype=config.dtype, device=config.device,
+    )
 
 
 UNAVAILABLE_SUFFIX = ".unavailable"  # the warm-start child's report of a retrieval service that did not answer
@@ -185,12 +201,15 @@ def load_policy_for_training(path: str, precision: Precision,
     weights (pure bf16 updates lose lr-sized changes); otherwise the fp32 model itself and no master. A
     resumed run loads its checkpoint's weights (what the engine is first given, e.g. a policy server) and
     restores the masters saved there; the trainer loads the checkpoint again when it resumes, to the same
-    values."""
+    values. LoRA: the frozen base in bf16 (`Precision.LORA`) or fp32; a LoRA checkpoint holds the adapter
+    alone, which the trainer puts on the model and loads, so `resume_from` is None for a LoRA run."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eviback.train.masters import MASTER_WEIGHTS
 
+    if precision is Precision.LORA:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), None
     source = str(resume_from) if resume_from is not None else path
     if precision is not Precision.MASTERS:
         return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), None
@@ -239,7 +258,7 @@ def teacher_policy(config: TrainConfig) -> TeacherPolicy:
 
     # a trained judge as Stage A (built here, or named by a policy file) is refused when its own held-out
     # questions show it weak, unless accept_weak_judge
-    check_stage_a(policy, accept_weak=t.accept_weak_judge, ref=t.policy)
+    check_stage_a(policy, accept_weak=t.accept_weak_judge, ref=t.policy, device=config.device)
     return policy
 
 
@@ -280,7 +299,8 @@ class Training:
     precision: Precision
     model: PreTrainedModel  # the trained model (bf16 with masters on CPU)
     master: PreTrainedModel | None  # the fp32 master weights AdamW updates, or None
-    optimizer: torch.optim.Optimizer
+    # None with LoRA: AdamW over the adapter, built once TRL has put it on the model (make_trainer)
+    optimizer: torch.optim.Optimizer | None
     backend: GenerationBackend  # the generation backend: the engine's own copy of the policy
     engine: RolloutEngine
 
@@ -312,7 +332,7 @@ def run_training(config: TrainConfig, output: str | Path, *, resume: bool = Fals
     finally:
         if teacher is not None:
             teacher.close()
-    summary = finish_run(config, start, training, start_summary)
+    summary = finish_run(config, start, training, start_summary, trainer.accelerator.unwrap_model(trainer.model))
     return TrainResult(start.run.root, start.run.final, trainer.state.global_step, start.resumed_from, summary,
                        start.run.report, start_summary, start.main)
 
@@ -369,21 +389,25 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
     tokenizer = load_tokenizer(policy_path)
     placement = start.placement
     dtype = placement.dtype_choice
-    precision = training_precision(dtype.dtype, placement.accelerator)
+    precision = training_precision(dtype.dtype, placement.accelerator, lora=config.lora.enabled)
     if main:
         earlier = run.write_dtype({**placement.to_dict(), "precision": precision.value})
         if earlier is not None:
             log.warning("%s ran in %s before and resumes in %s here (%s): the steps from here on compute in "
                         "another precision", run.root, earlier["dtype"], dtype.dtype, dtype.reason)
     log.info("compute dtype %s (%s) on %s: %s", dtype.dtype, precision.value, placement.device, dtype.reason)
-    model, master = load_policy_for_training(policy_path, precision, start.checkpoint)
-    if master is not None:
+    # a LoRA checkpoint holds the adapter alone: the base comes from the policy, the trainer loads the adapter
+    model, master = load_policy_for_training(policy_path, precision,
+                                             None if config.lora.enabled else start.checkpoint)
+    optimizer: torch.optim.Optimizer | None
+    if config.lora.enabled:
+        log.info("%s: %d adapter parameters train, the model's %d stay frozen", config.lora.describe(),
+                 lora.adapter_parameter_count(policy_path, config.lora), sum(p.numel() for p in model.parameters()))
+        optimizer = None  # over the adapter, which TRL puts on the model (make_trainer)
+    elif master is not None:
         optimizer = MasterWeightAdamW(model, master, lr=config.learning_rate, weight_decay=0.0)
     else:
-        # fused on a GPU: one kernel per step, no transient copy of the parameters (foreach AdamW holds one the
-        # size of a parameter group: 16 GB more at the peak of a 4B update)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0,
-                                      fused=placement.accelerator or None)
+        optimizer = adamw(model.parameters(), config.learning_rate, placement.accelerator)
 
     # The engine holds its own copy of the policy on the run's device, refreshed before each rollout step: the
     # trainer's model runs in training mode, in fp32 under autocast on a GPU and with gradient checkpointing on
@@ -408,9 +432,18 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
         # The server holds the model it was started with: the run's policy goes in (a resumed run's model holds
         # its checkpoint's weights), each tensor staged on the trainer's GPU for NCCL on its way.
         push_weights(server, model, start.state, device=placement.device)
-    engine = RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context))
+    engine = rollout_engine(config, backend, retriever)
     return Training(questions, retriever, policy_path, tokenizer, precision, model, master, optimizer, backend,
                     engine)
+
+
+def adamw(parameters: Iterable[torch.nn.Parameter], learning_rate: float, accelerator: bool) -> torch.optim.AdamW:
+    """The run's AdamW (no weight decay, as Search-R1) over `parameters`: the model's, or a LoRA adapter's. Fused on
+    a GPU: one kernel per step, no transient copy of the parameters (foreach AdamW holds one the size of a
+    parameter group: 16 GB more at the peak of a 4B update)."""
+    import torch
+
+    return torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0, fused=accelerator or None)
 
 
 def check_disk_first(config: TrainConfig, output: str | Path, resume: bool) -> None:
@@ -421,13 +454,19 @@ def check_disk_first(config: TrainConfig, output: str | Path, resume: bool) -> N
     if int(os.environ.get("RANK", "0")) != 0:
         return
     placement = place(config.device, config.dtype)
-    precision = training_precision(placement.dtype, placement.accelerator)
+    precision = training_precision(placement.dtype, placement.accelerator, lora=config.lora.enabled)
     run = RunDir(output)
     resumed_from = run.last_checkpoint_step() if resume else None
-    parameters = checkpoint_parameters(resolve_model(config.model, "float32"))
-    footprint = RunFootprint.planned(parameters, masters=precision is Precision.MASTERS,
-                                     steps_left=config.max_steps - (resumed_from or 0), save_steps=config.save_steps,
-                                     save_total_limit=config.save_total_limit)
+    model = resolve_model(config.model, "float32")
+    parameters = checkpoint_parameters(model)
+    steps_left = config.max_steps - (resumed_from or 0)
+    if config.lora.enabled:  # checkpoints of the adapter alone; also refuses a target module the model lacks
+        footprint = lora.run_footprint(parameters, lora.adapter_parameter_count(model, config.lora),
+                                       merged=config.lora.save_merged, steps_left=steps_left,
+                                       save_steps=config.save_steps, save_total_limit=config.save_total_limit)
+    else:
+        footprint = RunFootprint.planned(parameters, masters=precision is Precision.MASTERS, steps_left=steps_left,
+                                         save_steps=config.save_steps, save_total_limit=config.save_total_limit)
     if resumed_from is None:
         retry = ("Free space there and run the same command with --resume (nothing was trained yet), or train into "
                  "a directory on another disk (--output)")
@@ -448,10 +487,14 @@ def gpu_engine_share(config: TrainConfig, policy_path: str, device: str, paramet
                          "of the GPU: set gpu_memory_utilization")
     rollout = config.rollout
     kv = rollout.group_size * config.questions_per_step * rollout.max_context_tokens * shape.kv_bytes_per_token(2)
-    trainer = trainer_bytes(accelerator=True, masters=False, reference=config.beta > 0)
+    resident = trainer_bytes(accelerator=True, masters=False, reference=config.beta > 0).resident_bytes(parameters)
+    if config.lora.enabled:  # the frozen base in the run's dtype, the fp32 adapter and its moments; no reference
+        base_bytes = 2 if place(config.device, config.dtype).dtype == "bfloat16" else 4
+        resident = lora.trainer_resident_bytes(parameters, lora.adapter_parameter_count(policy_path, config.lora),
+                                               base_bytes=base_bytes)
     _, total = devices.memory(device)
     return engine_share(total_bytes=total, engine_weight_bytes=2 * parameters, kv_bytes=kv,
-                        trainer_resident_bytes=trainer.resident_bytes(parameters))
+                        trainer_resident_bytes=resident)
 
 
 def connect_policy_server(config: TrainConfig) -> VllmServerBackend:
@@ -464,6 +507,11 @@ def connect_policy_server(config: TrainConfig) -> VllmServerBackend:
                          f"the trainer on a CUDA GPU; this run computes on {placement.device}. On a CPU, train "
                          "with backend=vllm (in this process) or hf")
     return VllmServerBackend.connect(config.model, config.engine.server_config(), config.dtype, training=True)
+
+
+def rollout_engine(config: TrainConfig, backend: GenerationBackend, retriever: Retriever) -> RolloutEngine:
+    """The run's rollout engine on `backend`: its rollout settings as the engine runs them, its prompt style."""
+    return RolloutEngine(backend, retriever, engine_rollout_config(config, backend.max_context), prompt=config.prompt)
 
 
 def engine_rollout_config(config: TrainConfig, backend_max_context: int) -> RolloutConfig:
@@ -501,9 +549,6 @@ def record_teacher(run: RunDir, teacher_record: dict[str, Any] | None, teacher: 
                        "policy_used_content": json.loads(teacher.policy.canonical_json())})
 
 
-# The reference model's dtype: the dtype the trained model computes in, per precision.
-REFERENCE_DTYPE = {Precision.MASTERS: "bfloat16", Precision.AUTOCAST: "float32", Precision.FLOAT32: "float32"}
-
 CHECKPOINTING_PARAMETERS = 1_000_000_000  # on a GPU, models this large recompute activations by default
 
 
@@ -537,7 +582,9 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
         num_generations=rollout.group_size,
         max_steps=config.max_steps,
         learning_rate=config.learning_rate,
-        lr_scheduler_type="constant",
+        lr_scheduler_type=config.lr_scheduler_type,
+        # a whole number of steps (transformers reads a value below 1 as a share of max_steps and rounds it up)
+        warmup_steps=config.warmup_steps,
         beta=config.beta,
         loss_type=config.loss_type,
         temperature=rollout.temperature,  # TRL scales logits by it when computing log-probabilities
@@ -551,13 +598,14 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
         report_to=config.report_to or "none",
         seed=config.seed,
         use_cpu=not cuda,
-        # CPU: precision is the bf16 copy + fp32 masters, not autocast; GPU: accelerate's bf16 autocast
-        bf16=precision is Precision.AUTOCAST,
+        # CPU: precision is the bf16 copy + fp32 masters, not autocast; GPU: accelerate's bf16 autocast (LoRA too)
+        bf16=precision is Precision.AUTOCAST or (precision is Precision.LORA and cuda),
         fp16=False,
         remove_unused_columns=False,
-        # The reference model computes exactly as the policy does, so that the KL term is 0 at the first step: in
-        # the policy's own dtype (fp32 under the same autocast on a GPU; the bf16 copy with masters on the CPU)
-        model_init_kwargs={"dtype": REFERENCE_DTYPE[precision]},
+        # No model_init_kwargs: the policy is passed loaded, and TRL builds the reference in the policy's own dtype
+        # and attention (fp32 under the same autocast on a GPU; the bf16 copy with masters on the CPU), so that the
+        # KL term is 0 at the first step (tests/test_train_build.py). With LoRA TRL builds none: the reference is
+        # the policy itself with its adapter disabled.
         gradient_checkpointing=bool(config.gradient_checkpointing if checkpointing is None else checkpointing),
         disable_tqdm=False,
     )
@@ -566,7 +614,7 @@ def trl_arguments(config: TrainConfig, output_dir: str | Path, precision: Precis
 def make_trainer(config: TrainConfig, start: RunStart, training: Training, teacher: Teacher | None) -> EviBackTrainer:
     """The EviBackTrainer of the run, logging every step into the run directory (:class:`StepLog`)."""
     from eviback.train.grpo import EviBackTrainer, training_dataset
-    from eviback.train.step_log import StepLog
+    from eviback.train.step_log import StepLog, log_first
 
     step_log = StepLog(start.run, config.backoff, keep_rollout_steps=config.keep_rollout_steps,
                        max_steps=config.max_steps, processes=start.state.num_processes, main=start.main)
@@ -591,8 +639,18 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
             processing_class=training.tokenizer,
             optimizers=(training.optimizer, None),
             callbacks=[step_log],
+            # LoRA: TRL puts the adapter on the model (PEFT, in place) and freezes the rest
+            peft_config=config.lora.peft_config() if config.lora.enabled else None,
         )
+    if config.lora.enabled:  # the adapter exists now: AdamW over it alone, in fp32 (train/lora.py)
+        trainer.optimizer = adamw(lora.adapter_parameters(trainer.model), config.learning_rate,
+                                  start.placement.accelerator)
     keep_bar_only(trainer)  # the step bar without TRL's per-step dict of raw metrics
+    log_first(trainer, step_log)  # every metrics.jsonl figure joins the step's log before report_to reads it
+    if config.val_every:  # held-out questions every val_every steps, on this engine (train/validation.py)
+        from eviback.train.validation import run_validation
+
+        trainer.add_callback(run_validation(config, start, training, trainer, step_log))
     # Accelerate put the trainer's model (and TRL its reference model) on the device: record where they are.
     # With fp32 masters on the CPU the trained model is the bf16 copy; the masters stay beside it.
     record("trainer", trainer.model, start.placement)
@@ -602,17 +660,22 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
 
 
 def finish_run(config: TrainConfig, start: RunStart, training: Training,
-               start_summary: EvalSummary | None) -> EvalSummary | None:
-    """Save the final policy (the fp32 masters where there are some), evaluate it on the held-out questions
-    and write the report (main process); then release the run directory. Returns the evaluation summary."""
+               start_summary: EvalSummary | None, trained: Any = None) -> EvalSummary | None:
+    """Save the final policy (the fp32 masters where there are some; with LoRA the adapter of `trained`, the
+    trainer's unwrapped PeftModel, and the merged model: :func:`eviback.train.lora.save_final`), evaluate it on
+    the held-out questions and write the report (main process); then release the run directory. Returns the
+    evaluation summary."""
     run, main = start.run, start.main
     summary = None
     if main:
-        final = training.master if training.master is not None else training.model
-        final.save_pretrained(run.final)
+        if config.lora.enabled:
+            lora.save_final(trained, run.final, base_path=training.policy_path, merged=config.lora.save_merged)
+        else:
+            final = training.master if training.master is not None else training.model
+            final.save_pretrained(run.final)
         training.tokenizer.save_pretrained(run.final)
-        if config.eval_benchmarks:
-            training.backend.update_weights(training.model.named_parameters())
+        if config.eval_benchmarks:  # with LoRA, the merged weights
+            training.backend.update_weights(lora.engine_weights(training.model).named_parameters())
             summary = run_eval(held_out_eval_config(config, run.eval_dir, str(run.final),
                                                     max_context_tokens=training.engine.config.max_context_tokens),
                                backend=training.backend, retriever=training.retriever)
@@ -659,6 +722,7 @@ def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, *, ma
             limits, topk=config.rollout.topk, max_turns=config.rollout.max_turns,
             max_turn_tokens=config.rollout.max_turn_tokens, max_observation_tokens=config.rollout.max_observation_tokens,
             max_context_tokens=max_context_tokens or limits.max_context_tokens),
+        prompt=config.prompt,
         **overrides,
     )
 

@@ -30,6 +30,7 @@ import torch
 from trl import GRPOTrainer
 
 from eviback.settings import check_fields
+from eviback.train.lora import adapters_enabled, causal_lm
 from eviback.train.memory import release_free_heap
 from eviback.train.update import call_through_wrapper, importance_ratio, padding_free_logprobs, score_plan
 
@@ -128,8 +129,10 @@ class FastScoring(GRPOTrainer):
                                            batch_size: int | None = None, compute_entropy: bool = False,
                                            compute_aux_loss: bool = False, **extra: Any) -> tuple:
         state = self._scoring_state
-        if state.skip_old_pass and model is self.model and not torch.is_grad_enabled():
-            # TRL's no-grad old pass after the rollouts: deferred to the loss passes.
+        if (state.skip_old_pass and model is self.model and not torch.is_grad_enabled()
+                and adapters_enabled(self.accelerator.unwrap_model(model))):
+            # TRL's no-grad old pass after the rollouts: deferred to the loss passes. (Under LoRA, TRL's reference
+            # pass runs this same model with its adapter disabled: never the old pass.)
             state.skip_old_pass = False
             placeholder = torch.full(input_ids.shape[:1] + (logits_to_keep,), float("nan"), device=input_ids.device)
             return placeholder, None, None
@@ -157,7 +160,7 @@ class FastScoring(GRPOTrainer):
         inner = self.accelerator.unwrap_model(model)
 
         def score() -> tuple[torch.Tensor, torch.Tensor]:
-            out = padding_free_logprobs(inner, input_ids, plan, temperature=self.temperature,
+            out = padding_free_logprobs(causal_lm(inner), input_ids, plan, temperature=self.temperature,
                                         chunk_tokens=settings.chunk_tokens, logits_dtype=logits_dtype,
                                         token_budget=settings.token_budget, max_padding=settings.max_padding)
             return out.logps, out.entropy
@@ -170,8 +173,12 @@ class FastScoring(GRPOTrainer):
     def _padding_free_applies(self, model: Any, compute_entropy: bool, compute_aux_loss: bool,
                               extra: dict[str, Any]) -> bool:
         """The padding-free path covers text-only causal LMs with a plain LM head, bare or in a DDP wrapper
-        (several processes: it computes through the wrapper, :func:`call_through_wrapper`), outside PEFT, when
-        the entropy needs no gradient; anything else (DeepSpeed's engine, a compiled model) goes to TRL's path."""
+        (several processes: it computes through the wrapper, :func:`call_through_wrapper`), LoRA's PeftModel
+        included, when the entropy needs no gradient; anything else (DeepSpeed's engine, a compiled model) goes to
+        TRL's path. Under PEFT the rows go through the transformers model inside the PeftModel (`get_base_model()`,
+        not `PeftModel.base_model`, which is PEFT's LoraModel): its LoRA layers are in place, so the decoder
+        computes with the adapter, and without it inside `disable_adapter()` (TRL's reference pass); the LM head
+        carries no adapter (TRL refuses one there)."""
         if not self.scoring.padding_free or compute_aux_loss or any(v is not None for v in extra.values()):
             return False
         if compute_entropy and getattr(self, "_entropy_bonus_enabled", False):
@@ -179,9 +186,7 @@ class FastScoring(GRPOTrainer):
         inner = self.accelerator.unwrap_model(model)
         if inner is not model and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return False
-        model = inner
-        if hasattr(model, "peft_config"):
-            return False
+        model = causal_lm(inner)
         config = model.config.get_text_config()
         if any(getattr(config, name, None) is not None for name in
                ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
@@ -212,10 +217,13 @@ class FastScoring(GRPOTrainer):
     # ---- the deferred importance ratio
 
     def _can_defer_old_logps(self) -> bool:
+        """Whether the old pass can be the loss pass's: one optimiser step per generation batch, so the weights
+        the old pass would see are the loss pass's. LoRA changes nothing here: the adapter, like full weights,
+        moves only at the optimiser step; TRL's reference pass through the same PeftModel (adapter disabled)
+        is told apart from the old pass (:func:`eviback.train.lora.adapters_enabled`) and computed as usual."""
         return bool(self.scoring.defer_old_pass and self.use_vllm and self.vllm_importance_sampling_correction
                     and self.num_iterations == 1
-                    and self.args.gradient_accumulation_steps % self.args.steps_per_generation == 0
-                    and not hasattr(self.accelerator.unwrap_model(self.model), "peft_config"))
+                    and self.args.gradient_accumulation_steps % self.args.steps_per_generation == 0)
 
     def _fill_importance_ratio(self, inputs: dict[str, Any], old: torch.Tensor) -> None:
         """Fill in the micro-batch's importance ratio from its loss pass's log-probs `old` (detached) and

@@ -5,8 +5,9 @@
     python -c "from eviback.train.sft import WarmStartConfig, warm_start; print(warm_start(WarmStartConfig()))"
 
 `warm_start(config)` builds trajectories from the suite's *training* questions with real searches
-(:mod:`eviback.train.warmstart_data`), tokenises them through the model's chat template with the prompt and
-the retrieved observations masked from the loss, fine-tunes with TRL's `SFTTrainer` and saves the model
+(:mod:`eviback.train.warmstart_data`), tokenises them with the prompt built as the rollouts build it (`prompt`,
+a :class:`~eviback.protocol.PromptStyle`: the model's chat template by default) and with the prompt and the
+retrieved observations masked from the loss, fine-tunes with TRL's `SFTTrainer` and saves the model
 (safetensors + tokenizer) under `cache_dir()/warmstart/<key>`. The key hashes the base model's files, the
 selected training examples and the training settings, so a second call with the same inputs returns the
 saved directory at once. The directory is an ordinary checkpoint: `resolve_model(path)`, `from_pretrained`
@@ -46,6 +47,7 @@ from eviback import dtype as dtypes
 from eviback.cache import cache_dir, file_lock
 from eviback.data import DataSuite, load_suite, read_training_questions
 from eviback.policy import DEFAULT_MODEL, load_tokenizer, resolve_model, set_threads
+from eviback.protocol import PromptStyle
 from eviback.retrieval import ClientConfig, open_retriever
 from eviback.retrieval.base import Retriever
 from eviback.rollout import RolloutConfig
@@ -90,6 +92,9 @@ class WarmStartConfig:
     max_observation_tokens: int = field(default=RolloutConfig.max_observation_tokens, metadata={"help": "tokens of "
                                         "retrieved text per search, as in the rollouts "
                                         "(RolloutConfig.max_observation_tokens)"})
+    prompt: PromptStyle = field(default_factory=PromptStyle, metadata={"help": "how the prompt reaches the model, "
+                                "as in the rollouts (PromptStyle: chat_template auto or none, "
+                                "chat_template_kwargs); in the key unless it is the default"})
     # ---- optimisation
     epochs: float = field(default=1.0, metadata={"help": "passes over the examples"})
     learning_rate: float = field(default=1e-4, metadata={"help": "peak learning rate (AdamW)"})
@@ -119,6 +124,8 @@ class WarmStartConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
+        # a mapping is the prompt style as to_dict() wrote it (the warm start's own process reads it back)
+        self.prompt = PromptStyle.of(self.prompt, "WarmStartConfig.prompt")
         for name in ("max_examples", "topk", "max_observation_tokens", "batch_size", "gradient_accumulation",
                      "logging_steps"):
             if getattr(self, name) < 1:
@@ -141,13 +148,17 @@ class WarmStartConfig:
     # Settings named otherwise in the key: the name they had when the key was defined, so that a warm start
     # saved before a setting took the rollouts' name is found again.
     KEY_NAMES = {"max_observation_tokens": "max_obs_tokens"}
+    # Settings added after warm starts had been saved: at their default (what those builds did) they are left
+    # out of the key, so that those warm starts are found again; any other value is in it.
+    ADDED_LATER = {"prompt": PromptStyle()}
 
     def key_fields(self) -> dict[str, Any]:
         """The settings in the key, by value: a float setting given as an int (`epochs: 1` in YAML) is the
         same build as 1.0 on the command line, not another key and another warm start."""
         floats = {f.name for f in dataclasses.fields(self) if f.type in ("float", float)}
+        left_out = set(self.NOT_IN_KEY) | {k for k, v in self.ADDED_LATER.items() if getattr(self, k) == v}
         return {self.KEY_NAMES.get(k, k): float(v) if k in floats and isinstance(v, int) and not isinstance(v, bool)
-                else v for k, v in dataclasses.asdict(self).items() if k not in self.NOT_IN_KEY}
+                else v for k, v in dataclasses.asdict(self).items() if k not in left_out}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -277,6 +288,7 @@ def warm_start(config: WarmStartConfig | None = None, retriever: Retriever | Non
     set_threads(config.threads)
     base_dir = resolve_model(config.model, "float32")
     tokenizer = load_tokenizer(base_dir)
+    config.prompt.check(tokenizer, config.model)  # before the searches that build the examples
     t0 = time.perf_counter()
     examples, report = build_training_set(config, tokenizer, retriever)
     build_seconds = time.perf_counter() - t0
@@ -322,13 +334,15 @@ def warm_start(config: WarmStartConfig | None = None, retriever: Retriever | Non
 
 
 def tokenized_dataset(examples: list[wsd.WarmStartExample], tokenizer: PreTrainedTokenizerBase,
-                      max_obs_tokens: int) -> Dataset:
-    """A `datasets.Dataset` with `input_ids` and `labels` (-100 on the prompt and observations)."""
+                      max_obs_tokens: int, prompt: PromptStyle | None = None) -> Dataset:
+    """A `datasets.Dataset` with `input_ids` and `labels` (-100 on the prompt and observations); the prompt in
+    the `prompt` style (default: the chat template)."""
     from datasets import Dataset
 
     rows = []
     for e in examples:
-        input_ids, labels = wsd.labels_for(wsd.tokenize_trajectory(e.trajectory, tokenizer, max_obs_tokens))
+        input_ids, labels = wsd.labels_for(wsd.tokenize_trajectory(e.trajectory, tokenizer, max_obs_tokens,
+                                                                   prompt=prompt))
         rows.append({"input_ids": input_ids, "labels": labels})
     return Dataset.from_list(rows)
 
@@ -345,7 +359,7 @@ def finetune(examples: list[wsd.WarmStartExample], tokenizer: PreTrainedTokenize
 
     placement = devices.place(config.device, config.dtype)
     torch.manual_seed(config.seed)
-    dataset = tokenized_dataset(examples, tokenizer, config.max_observation_tokens)
+    dataset = tokenized_dataset(examples, tokenizer, config.max_observation_tokens, config.prompt)
     # The models are on the device before the optimiser is made: its state (and the fp32 masters the bf16
     # copy's gradients are added into) must be where the gradients are.
     master = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(placement.torch_device)

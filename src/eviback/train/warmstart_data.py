@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from eviback.data import BENCHMARKS_MULTI_HOP
 from eviback.metrics import exact_match, normalize_answer
-from eviback.protocol import apply_chat_template, parse_action, render_observation
+from eviback.protocol import PromptStyle, parse_action, prompt_text, render_observation
 from eviback.queries import (
     HOP_FORMS,
     SENTENCE_END,
@@ -470,16 +470,18 @@ def _round_robin(examples: Sequence[WarmStartExample], n: int, rng: random.Rando
 
 
 def tokenize_trajectory(
-    trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase, max_obs_tokens: int = 500, end_with_eos: bool = True
+    trajectory: Trajectory, tokenizer: PreTrainedTokenizerBase, max_obs_tokens: int = 500, end_with_eos: bool = True,
+    *, prompt: PromptStyle | None = None,
 ) -> TokenTrace:
-    """Prompt ids (the chat template's prompt, up to and including the assistant header) and response ids.
+    """Prompt ids (the prompt in the `prompt` style, as the rollout engine builds it: by default the chat
+    template's, up to and including the assistant header) and response ids.
 
     Each turn's text and each observation are tokenised on their own, as in a rollout (the model's tokens
     are sampled, the observation is tokenised and appended, capped at `max_obs_tokens`). `mask` is 1 on
     the model's tokens and 0 on observation tokens. With `end_with_eos`, the end-of-turn token follows the
     final `</answer>` and is trained, so the model also stops where no stop string is set."""
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    prompt = encode(apply_chat_template(tokenizer, trajectory.question.question))
+    prompt_ids = encode(prompt_text(tokenizer, trajectory.question.question, prompt))
     ids: list[int] = []
     mask: list[int] = []
     for turn in trajectory.turns:
@@ -493,7 +495,7 @@ def tokenize_trajectory(
     if end_with_eos:
         ids.append(tokenizer.eos_token_id)
         mask.append(1)
-    return TokenTrace(prompt_ids=tuple(prompt), ids=tuple(ids), mask=tuple(mask))
+    return TokenTrace(prompt_ids=tuple(prompt_ids), ids=tuple(ids), mask=tuple(mask))
 
 
 def labels_for(trace: TokenTrace) -> tuple[list[int], list[int]]:
