@@ -284,7 +284,7 @@ def test_a_run_from_another_warm_start_is_measured_from_its_own(tmp_path, monkey
     assert "did not all start from the same weights" in text and f"| warm start {b[:16]} | macro |" in text
 
 
-@pytest.mark.parametrize("name", ["cpu.yaml", "cpu-round2.yaml", "lr-probe.yaml", "gpu.yaml"])
+@pytest.mark.parametrize("name", ["cpu.yaml", "cpu-round2.yaml", "cpu-round3.yaml", "lr-probe.yaml", "gpu.yaml", "searchr1-parity.yaml"])
 def test_shipped_experiment_files_are_valid(name):
     config = load_experiment(ROOT / "experiments" / name, data=str(embedded_root()))
     assert config.arm(config.baseline) and config.eval_limit >= 40
