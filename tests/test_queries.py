@@ -108,3 +108,22 @@ def test_draw_form_is_seeded_by_the_build_seed_and_the_question():
     assert [draw_form(forms, s, other, "first") for s in range(50)] != draws[:50]
     with pytest.raises(ValueError, match="no query form"):
         draw_form({}, 0, question, "first")
+
+
+def test_draw_form_gives_the_preferred_form_its_share():
+    question = Question("p", "In what city was Rogers McKee born?", ("Shelby",),
+                        metadata={"subj": "Rogers McKee", "prop": "place of birth"})
+    forms = query_forms(question)
+    draws = Counter(draw_form(forms, seed, question, "first", (QueryForm.QUESTION,), 0.5) for seed in range(1000))
+    assert 440 <= draws[QueryForm.QUESTION] <= 560  # 500 expected; this draw is fixed by the seeds
+    others = [draws[form] for form in forms if form is not QueryForm.QUESTION]
+    assert len(others) == len(forms) - 1 and min(others) > 60  # the rest uniform: 100 each expected
+    # the first preferred form the draw can give; none of them: uniform, as without a preference
+    no_subject = {form: q for form, q in forms.items() if form is not QueryForm.SUBJECT_RELATION}
+    prefer = (QueryForm.SUBJECT_RELATION, QueryForm.ENTITY)
+    assert Counter(draw_form(no_subject, s, question, "second", prefer, 1.0) for s in range(20)) == {
+        QueryForm.ENTITY: 20}
+    assert [draw_form(forms, s, question, "first", (QueryForm.ENTITY_KEYWORDS,), 0.9) for s in range(50)] == [
+        draw_form(forms, s, question, "first") for s in range(50)]
+    with pytest.raises(ValueError, match="share"):
+        draw_form(forms, 0, question, "first", (QueryForm.QUESTION,), 1.5)

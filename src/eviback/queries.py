@@ -244,16 +244,27 @@ def query_terms(query: str) -> frozenset[str]:
 
 
 def draw_form(forms: Sequence[QueryForm] | Mapping[QueryForm, str], seed: int, question: Question,
-              purpose: str) -> QueryForm:
-    """One of `forms`, drawn uniformly by a generator seeded with `seed`, the question (id and text) and
-    `purpose` (a first query and a second one are separate draws): the same build seed and question always
-    give the same form, whatever else the build holds, in any process (string seeds are hashed by SHA-512,
-    not by Python's per-process hash)."""
+              purpose: str, prefer: Sequence[QueryForm] = (), share: float = 0.0) -> QueryForm:
+    """One of `forms`, drawn by a generator seeded with `seed`, the question (id and text) and `purpose` (a
+    first query and a second one are separate draws): the same build seed and question always give the same
+    form, whatever else the build holds, in any process (string seeds are hashed by SHA-512, not by Python's
+    per-process hash).
+
+    The first of `prefer` that `forms` holds is drawn with probability `share` and the others uniformly
+    with the rest; without one (or with `share` 0) the draw is uniform over `forms`."""
     choices = list(forms)
     if not choices:
         raise ValueError(f"no query form to draw from for question {question.id!r}")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], not {share!r}")
     rng = random.Random(f"{seed}\x1f{question.id}\x1f{question.question}\x1f{purpose}")
-    return choices[rng.randrange(len(choices))]
+    preferred = next((form for form in prefer if form in choices), None)
+    if preferred is None or share == 0.0 or len(choices) == 1:
+        return choices[rng.randrange(len(choices))]
+    if rng.random() < share:
+        return preferred
+    rest = [form for form in choices if form is not preferred]
+    return rest[rng.randrange(len(rest))]
 
 
 __all__ = [

@@ -648,9 +648,14 @@ def make_trainer(config: TrainConfig, start: RunStart, training: Training, teach
     keep_bar_only(trainer)  # the step bar without TRL's per-step dict of raw metrics
     log_first(trainer, step_log)  # every metrics.jsonl figure joins the step's log before report_to reads it
     if config.val_every:  # held-out questions every val_every steps, on this engine (train/validation.py)
-        from eviback.train.validation import run_validation
+        from eviback.train.validation import VAL_DIR, Validation, validation_eval_config
 
-        trainer.add_callback(run_validation(config, start, training, trainer, step_log))
+        held_out = held_out_eval_config(config, start.run.root / VAL_DIR, training.policy_path,
+                                        max_context_tokens=training.engine.config.max_context_tokens)
+        trainer.add_callback(Validation(
+            every=config.val_every, eval_config=validation_eval_config(config, held_out), backend=training.backend,
+            retriever=training.retriever, push=trainer.push_policy, record=step_log.add_figures,
+            processes=start.state, keep=config.keep_rollout_steps))
     # Accelerate put the trainer's model (and TRL its reference model) on the device: record where they are.
     # With fp32 masters on the CPU the trained model is the bf16 copy; the masters stay beside it.
     record("trainer", trainer.model, start.placement)

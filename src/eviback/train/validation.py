@@ -41,9 +41,6 @@ from eviback.retrieval.base import Retriever
 
 if TYPE_CHECKING:
     from eviback.train.config import TrainConfig
-    from eviback.train.grpo import EviBackTrainer
-    from eviback.train.runner import RunStart, Training
-    from eviback.train.step_log import StepLog
 
 log = logging.getLogger("eviback.train.runner")  # the run's progress lines, under the runner's name
 
@@ -185,16 +182,3 @@ def validation_eval_config(config: TrainConfig, base: EvalConfig) -> EvalConfig:
     quietly (the step bar is on the terminal)."""
     return dataclasses.replace(base, benchmarks=validation_benchmarks(config), limit=validation_limit(config),
                                progress=False)
-
-
-def run_validation(config: TrainConfig, start: RunStart, training: Training, trainer: EviBackTrainer,
-                   step_log: StepLog) -> Validation:
-    """The :class:`Validation` of a run: its held-out evaluation's settings on the validation's questions, on the
-    run's engine and retriever, the trainer's push, the step log's records, under `<run>/val`."""
-    from eviback.train.runner import held_out_eval_config
-
-    base = held_out_eval_config(config, start.run.root / VAL_DIR, training.policy_path,
-                                max_context_tokens=training.engine.config.max_context_tokens)
-    return Validation(every=config.val_every, eval_config=validation_eval_config(config, base),
-                      backend=training.backend, retriever=training.retriever, push=trainer.push_policy,
-                      record=step_log.add_figures, processes=start.state, keep=config.keep_rollout_steps)
