@@ -87,13 +87,12 @@ def test_an_experiment_setting_of_the_wrong_type_names_the_arm_and_setting():
 
 
 def test_sft_overrides_are_typed():
-    from argparse import Namespace
-
+    from eviback.cli import build_parser
     from eviback.commands.sft import config_from_args
 
-    args = Namespace(model="m", device="auto", data=None, train_files=[], retriever=None, max_examples=10, multi_search_share=0.3,
-                     max_observation_tokens=500, epochs=1.0, lr=1e-4, batch_size=1, grad_accum=4, dtype="float32", seed=0,
-                     threads=None, output=None, force=False, no_progress=True, set=["warmup_ratio=0.1"])
+    # the command's own parser, so that the test sees every option it adds (the prompt's included)
+    args = build_parser("sft").parse_args(["sft", "--max-examples", "10", "--dtype", "float32", "--no-progress",
+                                           "--set", "warmup_ratio=0.1"])
     assert config_from_args(args).warmup_ratio == 0.1
     args.set = ["warmup_ratio=lots"]
     with pytest.raises(ValueError, match=r"--set warmup_ratio=lots: setting 'warmup_ratio' takes a number"):
