@@ -81,8 +81,9 @@ BUILDER_VERSION = 3
 # The mode of the first query's draw, and its share. Greedy decoding follows a policy's mode: with a uniform
 # draw (builder 2) the greedy warm-started policy searched 36% of held-out questions in a form that matched
 # none of the forms (a blend of them) and lost 0.042 F1 against builder 1 (results/warmstart.md). With the
-# question as the mode, greedy searches it as builder 1 did, while a group's rollouts at temperature 1 still
-# search in other forms about half the time.
+# question as the mode, greedy searches it for 65% of held-out questions (blends 20%), while a group's rollouts
+# at temperature 1 search in other forms more than half the time. Builder 3 still trails builder 1 by 0.033 F1,
+# in answering rather than searching (results/warmstart.md).
 FIRST_PREFERRED: tuple[QueryForm, ...] = (QueryForm.QUESTION,)
 FIRST_SHARE = 0.5
 # A search again: one rule most of the time (the shorter query: subject and relation, else the entity), so
