@@ -37,9 +37,10 @@ def capture_command_log(caplog, monkeypatch) -> None:
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
 
 
-def assert_clean_in_process(capfd, caplog, recwarn: Iterable[warnings.WarningMessage]) -> None:
+def assert_clean_in_process(capfd, caplog, recwarn: Iterable[warnings.WarningMessage]):
     """A command run by `main([...])` in this test, after :func:`capture_command_log`: no third-party record,
-    line or visible warning."""
+    line or visible warning. Returns what it read from `capfd` (its `out` and `err`), for the test's own checks
+    of the command's output."""
     assert foreign_records(caplog.records) == [], "\n".join(foreign_records(caplog.records))
     captured = capfd.readouterr()
     assert foreign_lines(captured.err) == [], "\n".join(foreign_lines(captured.err))
@@ -47,3 +48,4 @@ def assert_clean_in_process(capfd, caplog, recwarn: Iterable[warnings.WarningMes
     shown = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in recwarn
              if not issubclass(w.category, HIDDEN_BY_DEFAULT)]
     assert shown == [], "\n".join(shown)
+    return captured

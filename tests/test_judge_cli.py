@@ -6,11 +6,10 @@ import pytest
 
 from eviback.cli import main
 from eviback.data import write_jsonl
-from eviback.log_format import foreign_lines, foreign_records, log_lines
 from eviback.teacher.policy import load_policy
 from eviback.teacher.probes import build_probes
 from eviback.types import Verdict, from_dict, to_dict
-from log_checks import capture_command_log
+from log_checks import assert_clean_in_process, capture_command_log
 from teacher_fakes import Fault, FaultyChatServer
 
 
@@ -46,7 +45,7 @@ def test_freeze_a_draft_and_refuse_it_after_an_edit(tmp_path, capsys):
     assert code == 2 and "was edited" in capsys.readouterr().err
 
 
-def test_judge_a_dump_writes_verdicts_and_a_summary(dump, tmp_path, capfd, caplog, monkeypatch):
+def test_judge_a_dump_writes_verdicts_and_a_summary(dump, tmp_path, capfd, caplog, recwarn, monkeypatch):
     capture_command_log(caplog, monkeypatch)
     out, summary = tmp_path / "v.jsonl", tmp_path / "s.json"
     with FaultyChatServer(Fault.OK) as server:
@@ -62,11 +61,8 @@ def test_judge_a_dump_writes_verdicts_and_a_summary(dump, tmp_path, capfd, caplo
     assert report["stage_a_status"]["S"] == 5 and report["stage_b_run_rate"] == 1.0
     # the fake server's refined answer is not in the evidence: the grounding rule lowers every verdict to I
     assert report["status"]["I"] == 5 and report["ungrounded"] == 5
-    captured = capfd.readouterr()
+    captured = assert_clean_in_process(capfd, caplog, recwarn)  # its log: eviback's lines only
     assert "cache hits 10/10" in captured.out
-    # its log: eviback's lines only (as log_checks.assert_clean_in_process, with the output read here)
-    assert foreign_records(caplog.records) == [], "\n".join(foreign_records(caplog.records))
-    assert foreign_lines(captured.err) == [] and log_lines(captured.out) == [], (captured.err, captured.out)
 
 
 def test_a_dead_server_fails_every_rollout_and_the_command_says_so(dump, tmp_path, capsys):
