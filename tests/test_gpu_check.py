@@ -318,6 +318,21 @@ def test_the_policy_server_takes_a_second_gpu_or_says_why_not():
         check.server_gpus("3", 2)
 
 
+def wait_until_dead(stat: Path, within_s: float = 20.0) -> bool:
+    """True once the process is gone or a zombie. SIGKILL is delivered asynchronously: for a moment after
+    killpg returns, the killed process can still read as running (R) on its way out."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def test_a_run_past_the_deadline_is_killed_with_its_children_and_marked_cut(tmp_path):
     check = load_check()
     # what the run wrote before the deadline: a step, and a line cut short by the kill
@@ -331,7 +346,7 @@ def test_a_run_past_the_deadline_is_killed_with_its_children_and_marked_cut(tmp_
     assert result["exit"] is None and "error" not in result and result["cut"].startswith("stopped at the time budget")
     assert check.read_jsonl(tmp_path / "metrics.jsonl") == [{"time/step": 1.0}]  # the cut-short line left out
     stat = Path(f"/proc/{int(child.read_text())}/stat")  # its own child went with it (the process group):
-    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone, or dead unreaped
+    assert wait_until_dead(stat), "the run's own child outlived the kill"
     capped = check.run_logged("capped", ["sleep", "60"], {**ctx, "budget": check.Budget(deadline=None, cap_s=0.5)})
     assert capped["error"] == "capped killed at its 0 s limit (--timeout-s)" and "cut" not in capped
     (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n{"b": 2}\n')
