@@ -9,6 +9,11 @@ benchmarks or suites pool into one comparison (a suite's benchmark is prefixed b
 pairs share a benchmark name). For F1, EM, valid answers, searches, duplicate searches and forced endings:
 the macro averages over benchmarks of each side, and `eviback.stats.paired_bootstrap`'s 95% interval of the
 difference (items resampled within each benchmark), overall and per benchmark; and how many answers differ.
+
+F1 splits into searching and answering: `gold_in_evidence` is whether a gold answer was in the evidence the
+policy saw (its observations as cut, as the precondition counts it), and `answering` compares F1 over the
+items where both policies' evidence held a gold answer, so that a difference there is one of reading, not of
+retrieval.
 """
 
 from __future__ import annotations
@@ -22,12 +27,25 @@ from eviback.data import read_jsonl
 from eviback.metrics import normalize_answer
 from eviback.stats import paired_bootstrap
 
-METRICS = ("f1", "em", "valid_answer", "searches", "duplicate_searches", "forced")
+METRICS = ("f1", "em", "valid_answer", "searches", "duplicate_searches", "forced", "gold_in_evidence")
+
+
+def gold_in_evidence(record: dict) -> float:
+    """1.0 when a gold answer was in the evidence the policy saw (whole words, normalised)."""
+    from eviback.teacher.workflow import answer_in_evidence, evidence_as_seen, render_seen
+    from eviback.types import Trajectory, from_dict
+
+    trajectory = from_dict(Trajectory, record["trajectory"])
+    text = render_seen(evidence_as_seen(trajectory))
+    return float(any(answer_in_evidence(g, text) for g in trajectory.question.golden_answers))
 
 
 def items(eval_dir: Path, prefix: str) -> dict[tuple[str, str], dict]:
-    return {(prefix + str(r["benchmark"]), str(r["id"])): r for r in read_jsonl(eval_dir / "items.jsonl")
-            if "benchmark" in r and "id" in r}
+    records = {(prefix + str(r["benchmark"]), str(r["id"])): r for r in read_jsonl(eval_dir / "items.jsonl")
+               if "benchmark" in r and "id" in r}
+    for r in records.values():
+        r["gold_in_evidence"] = gold_in_evidence(r)
+    return records
 
 
 def macro(records: dict, keys: list) -> dict[str, float]:
@@ -67,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         report["macro"][m] = paired_bootstrap({k: float(before[k][m]) for k in keys},
                                               {k: float(after[k][m]) for k in keys},
                                               samples=args.samples, seed=args.seed).to_json()
+    both = [k for k in keys if before[k]["gold_in_evidence"] and after[k]["gold_in_evidence"]]
+    report["answering"] = {
+        "items": len(both), "before": macro(before, both)["f1"], "after": macro(after, both)["f1"],
+        "f1": paired_bootstrap({k: float(before[k]["f1"]) for k in both}, {k: float(after[k]["f1"]) for k in both},
+                               samples=args.samples, seed=args.seed).to_json()} if both else None
     for bench in sorted({k[0] for k in keys}):
         mine = [k for k in keys if k[0] == bench]
         report["by_benchmark"][bench] = {
@@ -78,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     for m in METRICS:
         d = report["macro"][m]
         print(f"| {m} | {report['before'][m]:.3f} | {report['after'][m]:.3f} | "
+              f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] |")
+    if report["answering"]:
+        a, d = report["answering"], report["answering"]["f1"]
+        print(f"| f1 where both saw a gold answer ({a['items']}) | {a['before']:.3f} | {a['after']:.3f} | "
               f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] |")
     for bench, row in report["by_benchmark"].items():
         d = row["f1"]

@@ -1,0 +1,75 @@
+"""The scripts that compare two evaluations split F1 into searching and answering: whether a gold answer was in
+the evidence each policy saw, F1 where both saw one, and which passage an answer turn cites."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from eviback.metrics import score_answer
+from eviback.protocol import render_observation
+from eviback.types import Action, ActionKind, Passage, Question, StopReason, Trajectory, Turn, to_dict
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PASSAGES = (Passage("1", '"Eleanor Davis"\nEleanor Davis is an American cartoonist.'),
+            Passage("2", '"Occupation of the Ruhr"\nThe occupation of the Ruhr began in 1923.'))
+
+
+def record(qid: str, gold: str, answer: str, cite: int, passages=PASSAGES) -> dict:
+    """One item of `eviback eval`'s items.jsonl: a search, then an answer turn citing Doc `cite`."""
+    question = Question(qid, f"What is {qid}'s occupation?", (gold,), "popqa")
+    turns = (Turn(f"<search> {qid} </search>", Action(ActionKind.SEARCH, qid), passages,
+                  render_observation(passages), executed=True),
+             Turn(f'<think> Doc {cite} ({passages[cite - 1].title if cite <= len(passages) else "x"}) says: '
+                  f'"..." </think>\n<answer> {answer} </answer>', Action(ActionKind.ANSWER, answer)))
+    trajectory = Trajectory(question, turns, answer, StopReason.ANSWERED)
+    scores = score_answer(answer, (gold,))
+    return {"benchmark": "popqa", "id": qid, "question": question.question, "answer": answer,
+            "em": scores.em, "f1": scores.f1, "valid_answer": True, "searches": 1, "duplicate_searches": 0,
+            "forced": False, "trajectory": to_dict(trajectory)}
+
+
+def write(directory: Path, records: list[dict]) -> Path:
+    directory.mkdir()
+    (directory / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def test_f1_splits_into_gold_in_evidence_and_answering_where_both_saw_it(tmp_path, capsys):
+    compare = load("compare_evals")
+    nothing = (Passage("3", '"Ruhr"\nA river.'),)
+    before = write(tmp_path / "before", [record("a", "cartoonist", "cartoonist", 1),
+                                         record("b", "cartoonist", "cartoonist", 1),
+                                         record("c", "cartoonist", "river", 1, nothing)])
+    after = write(tmp_path / "after", [record("a", "cartoonist", "1923", 2),
+                                       record("b", "cartoonist", "cartoonist", 1),
+                                       record("c", "cartoonist", "cartoonist", 1)])  # a guess: no gold seen
+    out = tmp_path / "report.json"
+    assert compare.main([str(before), str(after), "--samples", "200", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["before"]["gold_in_evidence"] == pytest.approx(2 / 3)
+    assert report["after"]["gold_in_evidence"] == 1.0
+    answering = report["answering"]
+    assert answering["items"] == 2 and (answering["before"], answering["after"]) == (1.0, 0.5)
+    assert answering["f1"]["diff"] == pytest.approx(-0.5)
+    assert "| f1 where both saw a gold answer (2) | 1.000 | 0.500 |" in capsys.readouterr().out
+
+
+def test_the_cited_passage_is_read_by_rank_against_where_the_gold_was(tmp_path):
+    forms = load("first_query_forms")
+    directory = write(tmp_path / "eval", [record("a", "cartoonist", "cartoonist", 1),
+                                          record("b", "cartoonist", "1923", 2),
+                                          record("c", "cartoonist", "1923", 2)])
+    cited = forms.summarise(directory)["cited"]
+    assert cited == {"items": 3, "rank": {"1": 1, "2": 2}, "holds_gold": pytest.approx(0.3333),
+                     "first_gold_at_rank_1": 1.0}
