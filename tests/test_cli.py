@@ -60,3 +60,26 @@ def test_data_suite_lists_embedded_benchmarks():
     out = eviback("data", "suite").stdout
     for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"):
         assert f"eval:   {name}" in out
+
+
+def test_data_validate_names_the_line_that_is_not_utf8_and_skips_it_on_request(tmp_path):
+    import gzip
+
+    text = b'{"id": "1", "question": "q?", "golden_answers": ["x"]}\n{"id": "2", "question": "caf\xe9?", ' \
+           b'"golden_answers": ["y"]}\n{"id": "3", "question": "r?", "golden_answers": ["z"]}\n'
+    for path in (tmp_path / "latin1.jsonl", tmp_path / "latin1.jsonl.gz"):
+        path.write_bytes(gzip.compress(text) if path.suffix == ".gz" else text)
+        result = eviback("data", "validate", str(path), check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"{path}:2: not UTF-8 text: byte 0xe9 at column 29" in result.stderr
+        result = eviback("data", "validate", str(path), "--skip-bad", check=False)
+        assert result.returncode == 1 and "2 records ok, 1 skipped" in result.stdout  # the line after it is read
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    # `eviback data suite | head -1`: the reader is gone before the command writes
+    child = subprocess.Popen([sys.executable, "-m", "eviback.cli", "data", "suite"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 141 and err == ""

@@ -8,8 +8,10 @@ quick command never pays for importing torch. Each module defines `HELP`, `add_a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -89,6 +91,19 @@ def _run(run: Callable[[argparse.Namespace], int | None], args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `eviback` command. A reader that stops early (`eviback data suite | head -1`) ends it quietly, as
+    it ends `cat`: exit 141 (128 + SIGPIPE), no traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # nothing more can be written: keep the interpreter's
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # last flush from failing again
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = _subcommand(argv)
     if sub is not None:

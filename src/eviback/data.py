@@ -76,6 +76,20 @@ def open_text(path: str | os.PathLike, mode: str = "r") -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def numbered_lines(path: str | os.PathLike) -> Iterator[tuple[int, str | DataError]]:
+    """(line number, text) per line of a UTF-8 file (gzip-compressed when named `.gz`), streaming. A line that
+    is not UTF-8 comes as a DataError naming the file, the line and the byte, for the caller to raise or skip:
+    the lines after it are still read."""
+    path = Path(path)
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield number, DataError(path, number, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column "
+                                                      f"{e.start + 1} (convert the file to UTF-8)")
+
+
 def parse_json_line(line: str, path: str | os.PathLike, number: int) -> Any:
     """The object on line `number` of `path`; invalid JSON raises DataError naming the file and line."""
     try:
@@ -86,10 +100,11 @@ def parse_json_line(line: str, path: str | os.PathLike, number: int) -> Any:
 
 def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) per non-blank line, streaming; raises DataError on invalid JSON."""
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                yield number, parse_json_line(line, path, number)
+    for number, line in numbered_lines(path):
+        if isinstance(line, DataError):
+            raise line
+        if line.strip():
+            yield number, parse_json_line(line, path, number)
 
 
 def _parse_lines(
@@ -98,19 +113,20 @@ def _parse_lines(
 ) -> Iterator[T]:
     """`parse(object, path, line number)` per non-blank JSON line. A bad line (invalid JSON, or a DataError
     from `parse`) stops the read, or with `skip_bad` is skipped and recorded in `report`."""
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = parse(parse_json_line(line, path, number), path, number)
-            except DataError as e:
-                if not skip_bad:
-                    raise
-                report.skipped.append(str(e))
-                continue
-            report.read += 1
-            yield record
+    for number, line in numbered_lines(path):
+        if not isinstance(line, DataError) and not line.strip():
+            continue
+        try:
+            if isinstance(line, DataError):
+                raise line
+            record = parse(parse_json_line(line, path, number), path, number)
+        except DataError as e:
+            if not skip_bad:
+                raise
+            report.skipped.append(str(e))
+            continue
+        report.read += 1
+        yield record
 
 
 def _require_str(obj: dict, key: str, path, number: int, allow_empty: bool = False) -> str:
