@@ -10,7 +10,8 @@ model's own); `none`: no search. Per form: how many items, their mean F1, and th
 duplicate search (the same query searched twice). Greedy evaluation shows what a policy does at its mode:
 a warm start whose draw over forms has no mode may blend them.
 
-The warm start's answer turn names the passage it answers from ("Doc 2 (Title) says: ..."). `cited`: for
+The warm start's answer turn names the passage it answers from ("Title (Doc 2) says: ..."; "Doc 2 (Title)"
+before builder 4). `cited`: for
 each item whose last turn names one, the rank of the named passage in the last observation, how often that
 passage holds a gold answer, and how often the first passage holding one was at rank 1: a policy that
 reads well cites the passage that holds the answer, whatever its rank.
@@ -44,7 +45,7 @@ def first_query_form(item: dict) -> str:
     return by_text.get(normalize_answer(searches[0]), "other")
 
 
-CITED = re.compile(r"Doc (\d+) \(")
+CITED = re.compile(r"Doc (\d+) \(|\(Doc (\d+)\)")  # builders 1-3: "Doc 2 (Title)"; 4 on: "Title (Doc 2)"
 
 
 def cited_passage(item: dict) -> tuple[int, bool, int] | None:
@@ -59,7 +60,7 @@ def cited_passage(item: dict) -> tuple[int, bool, int] | None:
         return None
     golds = item["trajectory"]["question"].get("golden_answers", ())
     holds = [any(answer_in_evidence(g, p["contents"]) for g in golds) for p in shown[-1]]
-    rank = int(match.group(1))
+    rank = int(match.group(1) or match.group(2))
     first = holds.index(True) + 1 if any(holds) else 0
     return rank, 0 < rank <= len(holds) and holds[rank - 1], first
 

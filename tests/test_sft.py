@@ -128,7 +128,7 @@ def test_single_hop_example_is_grounded_and_protocol_exact():
     # The answer is a gold answer, found in the passage the <think> cites.
     assert exact_match(example.trajectory.answer, question.golden_answers) == 1.0
     assert last.action.content == example.trajectory.answer
-    cited = re.search(r"Doc (\d) \(", last.text).group(1)
+    cited = re.search(r"\(Doc (\d)\) says", last.text).group(1)  # the title first, then the number
     assert first.passages[int(cited) - 1].id == "p2"
     assert "Charles Babbage" in first.passages[int(cited) - 1].text
 
@@ -145,7 +145,7 @@ def test_only_gold_passages_are_cited_when_known():
     (example,), _, _ = build([question])
     first, last = example.trajectory.turns
     assert first.passages[0].id == "p4"
-    assert "Doc 2 (Ada Lovelace)" in last.text
+    assert "Ada Lovelace (Doc 2) says" in last.text
     # Without the gold passage among the results the question yields nothing.
     nothing, report, _ = build([q("n4", "lovelace road writer", ["writer"], gold_passage_ids=["p9"])])
     assert nothing == [] and report.rejected == {"answer_not_retrieved": 1}
@@ -155,7 +155,7 @@ def test_subject_must_be_mentioned_by_the_cited_passage():
     question = q("pq1", "What is Ada Lovelace's occupation?", ["writer"], dataset="popqa", subj="Ada Lovelace",
                  prop="occupation")
     (example,), _, _ = build([question])
-    assert "(Ada Lovelace)" in example.trajectory.turns[-1].text
+    assert "Ada Lovelace (Doc " in example.trajectory.turns[-1].text
     stranger = q("pq2", "What is Lovelace Road's occupation?", ["writer"], dataset="popqa", subj="Jane Roe",
                  prop="occupation")
     examples, _, _ = build([stranger])
