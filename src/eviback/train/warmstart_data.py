@@ -77,7 +77,9 @@ if TYPE_CHECKING:
 # 3: the question as written is the first query of half the examples, the other forms share the rest; a
 #    search again prefers the subject and relation, else the entity (builder 2 drew both uniformly).
 # 4: a <think> names the passage by its title first, then its number ("Ada Lovelace (Doc 2) says: ..."):
-#    builder 3's policy, writing the number first, cited Doc 2 in half its answers where the gold was at Doc 1.
+#    builder 3's seed-0 policy, writing the number first, cited Doc 2 in half its answers where the gold was at
+#    Doc 1 as often as for builder 1. Over two SFT seeds each, +0.013 [+0.000, +0.026] held-out F1 over
+#    builder 3; the seed alone moves it by 0.03-0.04 (results/warmstart.md).
 BUILDER_VERSION = 4
 
 # The mode of the first query's draw, and its share. Greedy decoding follows a policy's mode: with a uniform
@@ -298,8 +300,8 @@ def _executed(turn: Turn, search: _Search) -> Turn:
 
 def _cite(title: str, doc: int) -> str:
     """A passage as a <think> names it: the title first, which the question's words point to, then its number,
-    which then follows from the title ("Ada Lovelace (Doc 2)"). A number written first is a guess among 1-3
-    that a small model makes from position alone."""
+    which then follows from the title ("Ada Lovelace (Doc 2)"), rather than a number among 1-3 chosen before
+    anything ties it to the question."""
     return f"{title} (Doc {doc})"
 
 
