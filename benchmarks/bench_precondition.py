@@ -58,19 +58,12 @@ FIGURES = ("passages_differ", "gold_differs", "labels_differ", "informative")
 # Figures of one group (pure)
 
 
-def gold_in_evidence(trajectory: Trajectory) -> bool:
-    """A gold answer among the evidence its actor saw (the observations as cut, whole words, normalised)."""
-    from eviback.teacher.workflow import answer_in_evidence, evidence_as_seen, render_seen
-
-    text = render_seen(evidence_as_seen(trajectory))
-    return any(answer_in_evidence(g, text) for g in trajectory.question.golden_answers)
-
-
 def group_record(group: Sequence[Trajectory], verdicts: Sequence[Verdict]) -> dict:
     """What one group of G rollouts shows: its EM, whether its rollouts differ in each respect, and the teacher's
     rewards (None where the teacher failed)."""
     from eviback.backoff import BackoffConfig, group_advantages
     from eviback.teacher.labels import trajectory_label
+    from eviback.teacher.workflow import gold_in_evidence
 
     question = group[0].question
     em = [exact_match(t.answer, question.golden_answers) if t.answer else 0.0 for t in group]

@@ -32,12 +32,10 @@ METRICS = ("f1", "em", "valid_answer", "searches", "duplicate_searches", "forced
 
 def gold_in_evidence(record: dict) -> float:
     """1.0 when a gold answer was in the evidence the policy saw (whole words, normalised)."""
-    from eviback.teacher.workflow import answer_in_evidence, evidence_as_seen, render_seen
+    from eviback.teacher.workflow import gold_in_evidence as saw_gold
     from eviback.types import Trajectory, from_dict
 
-    trajectory = from_dict(Trajectory, record["trajectory"])
-    text = render_seen(evidence_as_seen(trajectory))
-    return float(any(answer_in_evidence(g, text) for g in trajectory.question.golden_answers))
+    return float(saw_gold(from_dict(Trajectory, record["trajectory"])))
 
 
 def items(eval_dir: Path, prefix: str) -> dict[tuple[str, str], dict]:

@@ -11,10 +11,9 @@ duplicate search (the same query searched twice). Greedy evaluation shows what a
 a warm start whose draw over forms has no mode may blend them.
 
 The warm start's answer turn names the passage it answers from ("Title (Doc 2) says: ..."; "Doc 2 (Title)"
-before builder 4). `cited`: for
-each item whose last turn names one, the rank of the named passage in the last observation, how often that
-passage holds a gold answer, and how often the first passage holding one was at rank 1: a policy that
-reads well cites the passage that holds the answer, whatever its rank.
+before builder 4). `cited`: for each item whose last turn names one, the rank of the named passage in the
+last observation, how often that passage holds a gold answer, and how often the first passage holding one
+was at rank 1: a policy that reads well cites the passage that holds the answer, whatever its rank.
 """
 
 from __future__ import annotations

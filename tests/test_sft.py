@@ -187,7 +187,7 @@ def test_multi_hop_example_searches_an_entity_found_by_the_first_search():
     first, second, last = example.trajectory.turns
     assert [t.action.kind for t in (first, second, last)] == [ActionKind.SEARCH, ActionKind.SEARCH, ActionKind.ANSWER]
     assert first.executed and second.executed
-    entity = re.search(r"mentions (.+?)\. I need", second.text).group(1)
+    entity = re.search(r"\(Doc \d\) mentions (.+?)\. I need", second.text).group(1)  # the title first
     # The second query names something the first results mention, not in the question, in the drawn form...
     assert contains_words(first.observation, entity) and not contains_words(question.question, entity)
     assert second.action.content == hop_query(entity, question, example.forms[1])

@@ -102,6 +102,13 @@ def answer_grounded(answer: str | None, evidence: Sequence[SeenEvidence] | str) 
     return not is_non_answer(answer) and answer_in_evidence(answer, evidence)
 
 
+def gold_in_evidence(trajectory: Trajectory) -> bool:
+    """Whether a gold answer is among the evidence the rollout's actor saw (its observations as cut, whole
+    words, normalised): whether the rollout could have answered from what it read."""
+    text = render_seen(evidence_as_seen(trajectory))
+    return any(answer_in_evidence(g, text) for g in trajectory.question.golden_answers)
+
+
 @dataclass(frozen=True)
 class BlindView:
     """Everything a gold-blind stage may see of a rollout. It has no field that could hold gold answers.
