@@ -5,9 +5,9 @@
 
 1. Warm start: SmolLM2-135M is fine-tuned on Search-R1 trajectories built from the embedded *training*
    questions with real BM25 searches (cached: a second demo skips it).
-2. EviBack GRPO: a few steps with group size 4 on training questions; all-zero groups are judged by the
-   two-stage teacher, in process (no server needed): Stage A by the trained evidence judge (a small
-   cross-encoder built from 200 training questions on the first demo, then cached; `--set
+2. EviBack GRPO: a few steps of one training question and 8 rollouts; all-zero groups are judged by the
+   two-stage teacher, in process (no server needed): Stage A by the trained evidence judge (the bi-encoder
+   judge built from 200 training questions on the first demo, its threshold calibrated, then cached; `--set
    teacher_stage_a=prompted` keeps the prompted SmolLM2 Stage A), Stage B extractive: the span of the
    evidence the actor saw that best matches the gold (`--set teacher_stage_b=prompted`: SmolLM2, grounded).
 3. Evaluation on held-out questions (NQ, PopQA, HotpotQA of the embedded suite), greedy, with the metrics
@@ -47,8 +47,10 @@ HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, h
 
 # The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16), from the phases of a
 # `make demo` measured as on an AVX2-only CPU (results/precision.md): warm start 85 tokens/s (176 with native
-# bf16), an EviBack step 75-100 s, held-out evaluation 3 s a question (run twice: the start and the result).
-NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 3, "eval_limit": 20}
+# bf16), an EviBack step of 8 rollouts 75-100 s, held-out evaluation 3 s a question (run twice: the start and
+# the result). There the demo took 19 min 47 s with 3 steps of 8 rollouts; 6 such steps (each one question x 8)
+# add about 4 minutes: about 24 minutes in all, projected from those rates, within its 30.
+NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 6, "eval_limit": 20}
 
 
 def size_for_this_machine(config: TrainConfig, choice: DtypeChoice,
