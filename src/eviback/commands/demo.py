@@ -97,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
         if not (output / "config.yaml").exists():
             raise FileExistsError(f"{output} exists and is not a demo run; choose another --output")
         shutil.rmtree(output)
+    evaluation = (f"then evaluation on {', '.join(config.eval_benchmarks)} ({config.eval_limit} held-out questions "
+                  f"each)" if config.eval_benchmarks else "no held-out evaluation (eval_benchmarks is empty)")
     print(f"eviback demo: warm start (cached after the first run), {config.max_steps} EviBack GRPO steps "
-          f"({config.questions_per_step} questions x {config.rollout.group_size} rollouts), then evaluation on "
-          f"{', '.join(config.eval_benchmarks)} ({config.eval_limit} held-out questions each)", flush=True)
+          f"({config.questions_per_step} question{'' if config.questions_per_step == 1 else 's'} x "
+          f"{config.rollout.group_size} rollouts), {evaluation}", flush=True)
     result = run_training(config, output, resume=args.resume)
     if result.eval_summary is not None:
         print()

@@ -483,7 +483,7 @@ def _who(summary: RunSummary) -> str:
 def summary_sentences(s: RunSummary) -> list[str]:
     t, g, gate, h = s.training, s.groups, s.gate, s.held_out
     out = []
-    shape = (f" of {t.questions_per_step} questions x {t.group_size} rollouts"
+    shape = (f" of {_n(t.questions_per_step, 'question')} x {_n(t.group_size, 'rollout')}"
              if t.questions_per_step and t.group_size else "")
     took = f", {_minutes(t.seconds)} of training" if t.seconds else ""
     lr = f" at learning rate {t.learning_rate:g}" if t.learning_rate is not None else ""
@@ -649,7 +649,8 @@ def _held_out_sentences(h: HeldOut) -> list[str]:
 def summary_table(s: RunSummary) -> list[tuple[str, str]]:
     t, g, gate, h = s.training, s.groups, s.gate, s.held_out
     rows = [("trained", f"{t.mode}, {t.steps} steps"
-             + (f" x {t.questions_per_step} questions x {t.group_size} rollouts" if t.questions_per_step and t.group_size
+             + (f" x {_n(t.questions_per_step, 'question')} x {_n(t.group_size, 'rollout')}"
+                if t.questions_per_step and t.group_size
                 else "") + (f", lr {t.learning_rate:g}" if t.learning_rate is not None else ""))]
     if g is not None and g.groups:
         rows.append(("groups with a verified hit", _of(g.verified, g.groups)))
