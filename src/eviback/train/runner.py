@@ -49,7 +49,7 @@ from eviback.train import lora
 from eviback.train.config import TrainConfig
 from eviback.train.judge_builder import EvidenceJudgeConfig, build_judge, check_stage_a, stage_a_record
 from eviback.train.launch import check_launch
-from eviback.train.memory import trainer_bytes
+from eviback.train.memory import release_free_heap, trainer_bytes
 from eviback.train.plots import write_report
 from eviback.train.run import RunDir
 from eviback.train.sft import WarmStartConfig, model_fingerprint, warm_start
@@ -532,6 +532,7 @@ def evaluate_start(config: TrainConfig, start: RunStart, training: Training) -> 
                                             max_context_tokens=training.engine.config.max_context_tokens),
                        backend=training.backend, retriever=training.retriever)
     sleep_backend(training.backend)  # vLLM on a GPU: the evaluation woke it; the first update needs the memory
+    release_free_heap()  # the evaluation's freed heap, before the first step allocates
     return summary
 
 
