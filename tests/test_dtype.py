@@ -135,22 +135,23 @@ def test_the_choice_is_logged_once_per_process(monkeypatch, caplog):
 
 
 def test_the_demo_does_less_work_where_auto_falls_back_to_fp32():
-    """`eviback demo` on a CPU without native bf16: fewer warm-start examples and steps, said plainly; a
-    setting the user gave, an explicit dtype, native bf16 and CUDA leave the preset as it is."""
+    """`eviback demo` on a CPU without native bf16: fewer steps and held-out questions, said plainly, the
+    preset's warm start kept (a smaller one searched one way); a setting the user gave, an explicit dtype,
+    native bf16 and CUDA leave the preset as it is."""
     from eviback.commands.demo import NO_NATIVE_BF16, size_for_this_machine
     from eviback.train.config import resolve_config
 
     preset = resolve_config("demo", None, [])
     slow = DtypeChoice("auto", "float32", "CPU without native bf16: ...", "cpu", EMULATED)
     sized, message = size_for_this_machine(preset, slow, set())
-    assert sized.warm_start_examples == NO_NATIVE_BF16["warm_start_examples"] < preset.warm_start_examples
     assert sized.max_steps == NO_NATIVE_BF16["max_steps"] < preset.max_steps
     assert sized.eval_limit == NO_NATIVE_BF16["eval_limit"] < preset.eval_limit
-    assert "float32" in message and f"warm_start_examples {preset.warm_start_examples} -> 60" in message
+    assert sized.warm_start_examples == preset.warm_start_examples
+    assert "float32" in message and f"max_steps {preset.max_steps} -> {NO_NATIVE_BF16['max_steps']}" in message
     assert "--full" in message
-    kept, message = size_for_this_machine(preset, slow, {"warm_start_examples"})
-    assert kept.warm_start_examples == preset.warm_start_examples and message
-    assert kept.max_steps == NO_NATIVE_BF16["max_steps"]
+    kept, message = size_for_this_machine(preset, slow, {"max_steps"})
+    assert kept.max_steps == preset.max_steps and message
+    assert kept.eval_limit == NO_NATIVE_BF16["eval_limit"]
     native = DtypeChoice("auto", "bfloat16", "CPU with native bf16", "cpu", NATIVE)
     assert size_for_this_machine(preset, native, set()) == (preset, None)
     assert size_for_this_machine(preset, DtypeChoice("auto", "float32", "no bf16", "cuda"), set()) == (preset, None)

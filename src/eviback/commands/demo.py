@@ -25,8 +25,8 @@ any of them.
 Sized by what the CPU computes natively: the preset fits about 20 minutes on a CPU with native bf16
 (AVX512-BF16 or AMX). On a CPU without it (AVX2 only, like most laptops) `dtype: auto` computes in fp32,
 which measured about half as fast for the warm start (85 against 176 tokens/s, results/precision.md), so
-the demo trains on fewer warm-start examples and runs fewer steps there (:data:`NO_NATIVE_BF16`), says so
-before it starts, and `--full` keeps the preset's sizes. A setting given with `--set` is never changed.
+the demo runs fewer steps and evaluates fewer questions there (:data:`NO_NATIVE_BF16`), says so before it
+starts, and `--full` keeps the preset's sizes. A setting given with `--set` is never changed.
 """
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ from eviback.train.runner import run_training, teacher_is_oracle
 
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
 
-# The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16), from the phases of a
-# `make demo` measured as on an AVX2-only CPU (results/precision.md): warm start 85 tokens/s (176 with native
-# bf16), an EviBack step of 8 rollouts 75-100 s, held-out evaluation 3 s a question (run twice: the start and
-# the result). There the demo took 19 min 47 s with 3 steps of 8 rollouts; 6 such steps (each one question x 8)
-# add about 4 minutes: about 24 minutes in all, projected from those rates, within its 30.
-NO_NATIVE_BF16 = {"warm_start_examples": 60, "max_steps": 6, "eval_limit": 20}
+# The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16), from `make demo` measured on
+# the AVX2 path (results/precision.md): fewer steps and held-out questions, the preset's 100 warm-start
+# examples. With 60 (as before) its fp32 warm start searched one way: in each of the 6 groups of a measured run
+# every rollout retrieved the same passages, so the teacher had nothing to judge (results/demo.md, section 8).
+NO_NATIVE_BF16 = {"max_steps": 6, "eval_limit": 20}
 
 
 def size_for_this_machine(config: TrainConfig, choice: DtypeChoice,
