@@ -136,7 +136,7 @@ def test_the_choice_is_logged_once_per_process(monkeypatch, caplog):
 
 def test_the_demo_does_less_work_where_auto_falls_back_to_fp32():
     """`eviback demo` on a CPU without native bf16: fewer steps and held-out questions, said plainly, the
-    preset's warm start kept (a smaller one searched one way); a setting the user gave, an explicit dtype,
+    preset's warm start kept (its precondition is the one measured); a setting the user gave, an explicit dtype,
     native bf16 and CUDA leave the preset as it is."""
     from eviback.commands.demo import NO_NATIVE_BF16, size_for_this_machine
     from eviback.train.config import resolve_config

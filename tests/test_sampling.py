@@ -25,6 +25,7 @@ from eviback.generation.hf import (
     generation_config,
     top_p_filter,
 )
+from eviback.generation.vllm_cpu import SamplerBroken, check_cpu_sampler
 
 
 class Tokenizer:
@@ -145,3 +146,40 @@ def test_the_vllm_engine_samples_the_whole_distribution(vllm_backend, hf_backend
     expected = torch.log_softmax(next_token_logits(hf_backend.model, prompt), dim=-1)
     differences = [c.logprobs[0] - float(expected[c.token_ids[0]]) for c in out]
     assert abs(sum(differences) / len(differences)) < 0.05  # bf16 engines differ by ~0.05 per token, unbiased
+    # Drawn from that distribution, not merely scored by it: a sampler that ignores it (a stale compiled kernel
+    # drew tokens of probability 3e-4 where one held 0.998) still records true log-probabilities, but their
+    # mean falls far below minus the entropy, the mean log-probability of honest draws.
+    entropy = -float((expected.exp() * expected).sum())
+    mean_logprob = sum(float(expected[t]) for t in tokens) / len(tokens)
+    assert abs(mean_logprob + entropy) < 1.0, (mean_logprob, entropy)  # measured 0.13 apart (600 draws)
+
+
+def peaked_argmax_sampler(logits: torch.Tensor) -> torch.Tensor:
+    """A right sampler for the check's fixture (its rows hold all their mass on one token), drawing noise as a
+    sampler does."""
+    torch.rand(logits.shape)
+    return logits.argmax(dim=-1)
+
+
+def test_the_cpu_sampler_check_passes_a_sampler_that_draws_from_the_distribution():
+    state = torch.get_rng_state()
+    check_cpu_sampler(49152, peaked_argmax_sampler)
+    assert torch.equal(torch.get_rng_state(), state)  # the trainer's stream is left where it was
+
+
+@pytest.mark.parametrize("broken", [
+    lambda logits: torch.full((logits.shape[0],), 33),  # one token whatever the distribution
+    lambda logits: (logits.argmax(dim=-1) + 1) % logits.shape[1],  # next to the right one
+    lambda logits: torch.where(logits.argmax(dim=-1) < 32, logits.argmax(dim=-1), 7),  # right below 32 only
+])
+def test_a_cpu_sampler_that_ignores_the_distribution_is_refused(broken):
+    """The fault measured: a compiled sampler reused from a kernel cache of another instruction set drew the
+    peak right at position 17 and wrong at 30, 44, 1000 and 49151."""
+    with pytest.raises(SamplerBroken, match="TORCHINDUCTOR_CACHE_DIR"):
+        check_cpu_sampler(49152, broken)
+
+
+def test_the_vllm_engine_checked_its_own_sampler(vllm_backend):
+    """The session's engine started, so vLLM's compiled CPU sampler passed the check at its start; it passes
+    again here, on the kernel the engine samples with."""
+    check_cpu_sampler(49152)

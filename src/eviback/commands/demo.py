@@ -46,9 +46,8 @@ from eviback.train.runner import run_training, teacher_is_oracle
 HELP = "run the main job on the embedded data: warm start, EviBack GRPO steps, held-out evaluation"
 
 # The demo's sizes where `dtype: auto` computes in fp32 on a CPU (no native bf16), from `make demo` measured on
-# the AVX2 path (results/precision.md): fewer steps and held-out questions, the preset's 100 warm-start
-# examples. With 60 (as before) its fp32 warm start searched one way: in each of the 6 groups of a measured run
-# every rollout retrieved the same passages, so the teacher had nothing to judge (results/demo.md, section 8).
+# the AVX2 path (results/demo.md, section 8: 23 minutes): fewer steps and held-out questions. The warm start
+# keeps the preset's 100 examples, those of the warm start whose precondition was measured (results/precondition.md).
 NO_NATIVE_BF16 = {"max_steps": 6, "eval_limit": 20}
 
 

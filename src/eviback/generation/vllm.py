@@ -63,6 +63,7 @@ from eviback.generation.vllm_config import (
     resolved_config,
 )
 from eviback.generation.vllm_cpu import (
+    check_cpu_sampler,
     cpu_engine_choices,
     cpu_worker_start,
     modules_hidden,
@@ -146,6 +147,9 @@ class VllmBackend:
         engine_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         hf_config = getattr(engine_config, "hf_text_config", None)
         self._tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self._cpu:  # its compiled sampler, which nothing else would catch drawing noise (vllm_cpu)
+            with self._threads():
+                check_cpu_sampler(int(getattr(hf_config, "vocab_size", None) or len(self.tokenizer)))
         # In-process, the sampler draws from torch's default generators: the CPU one, and on a GPU that GPU's.
         in_process_gpu = not self._cpu and config.executor != "multiprocess"
         self.rng = SamplerRNG(config.seed, cuda_device=self._cuda_index if in_process_gpu else None)

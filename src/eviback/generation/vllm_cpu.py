@@ -108,3 +108,50 @@ def modules_hidden(names: Sequence[str]) -> Iterator[None]:
         yield
     finally:
         sys.modules.update(hidden)
+
+
+SAMPLER_CHECK_LOGIT = 40.0  # the fixture's peak: every other token together holds under vocab * e^-40 (2e-13 at 50k)
+
+
+class SamplerBroken(RuntimeError):
+    """vLLM's CPU sampler does not draw from the distribution it is given."""
+
+
+def check_cpu_sampler(vocab_size: int, sample: Any = None) -> None:
+    """Refuse a CPU engine whose sampler ignores the distribution.
+
+    vLLM's CPU sampler (`compiled_random_sample`: softmax, exponential noise, argmax) is compiled by PyTorch's
+    inductor, whose kernel cache (`TORCHINDUCTOR_CACHE_DIR`, by default in the machine's temporary folder) is
+    not keyed on the vector instruction set it compiled for. Reused under another one (a cache shared by CPUs
+    of different kinds, or `ATEN_CPU_CAPABILITY` changed between runs), the kernel sampled tokens of
+    probability 3e-4 where one held 0.998: every sampled rollout was noise while greedy decoding, and so
+    every evaluation, stayed right. Nothing downstream would say so; this check does, at start-up, in
+    milliseconds: rows in which one token holds all the mass, at positions spread over the vocabulary,
+    each must draw its token. The process's RNG state is left as it was.
+
+    `sample`: the function to check (logits (n, vocab) -> token ids (n,)); None: vLLM's own, where this
+    vLLM version has it (an older or newer one without it is not checked)."""
+    if sample is None:
+        try:
+            from vllm.v1.sample.ops.topk_topp_sampler import compiled_random_sample as sample
+        except ImportError:
+            log.debug("vLLM's CPU sampler is not where this check looks in this vLLM version: not checked")
+            return
+    positions = sorted({0, 1, 31, 44, 1000 % vocab_size, vocab_size // 2, vocab_size - 1})
+    logits = torch.zeros(len(positions), vocab_size, dtype=torch.float32)  # vLLM samples from float32 logits
+    expected = torch.tensor(positions)
+    logits[torch.arange(len(positions)), expected] = SAMPLER_CHECK_LOGIT
+    state = torch.get_rng_state()
+    try:
+        drawn = torch.as_tensor(sample(logits)).view(-1)
+    finally:
+        torch.set_rng_state(state)
+    if not torch.equal(drawn.to(expected.dtype), expected):
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "the torchinductor_<user> folder of the temporary folder"
+        raise SamplerBroken(
+            f"vLLM's CPU sampler drew tokens {drawn.tolist()} where each row held all its probability on "
+            f"{positions}: its compiled kernel does not sample from the distribution it is given, so every "
+            f"sampled rollout would be noise. A likely cause is PyTorch's compiled-kernel cache ({cache}) holding "
+            "kernels compiled for another CPU instruction set (a cache shared between machines, or "
+            "ATEN_CPU_CAPABILITY changed): remove it, or set TORCHINDUCTOR_CACHE_DIR to a folder of this "
+            "machine's own, and start again")
