@@ -30,6 +30,11 @@ difference of the second minus the first has a 95% percentile interval from resa
 Long parts are resumable: the rollouts of each batch of questions and the verdicts of each model are written
 under `--work` as they finish, and a rerun reuses them (delete the directory to measure afresh). Run a model's
 rollouts alone with `--rollouts-only` (one engine per process), then the report with every model.
+
+An experiment's own precondition (its warm start and its judge, on its data):
+
+    python benchmarks/bench_precondition.py --data DIR --experiment experiments/cpu-round3.yaml \
+        --model round3=experiment --questions 650 --work runs/precondition-round3 --out OUT.json
 """
 
 from __future__ import annotations
@@ -229,16 +234,37 @@ def read_rollouts(label: str, questions: list, args: argparse.Namespace, work: P
     return [sorted(by_question[q.id], key=lambda t: t.sample_index) for q in questions]
 
 
-def demo_teacher():
-    """The teacher the demo trains with (two-stage: the trained evidence judge as Stage A, extractive Stage
+def teacher_run_config(args: argparse.Namespace):
+    """The training configuration whose teacher judges: the demo's (its judge built from the embedded suite's
+    training questions), or with `--experiment` that experiment's `--teacher-arm` run of seed 0 on `--data`
+    (its judge built from that data's training questions, as the experiment's runs build it)."""
+    from eviback.experiment.config import load_experiment
+    from eviback.train.config import resolve_config
+
+    if not args.experiment:
+        return resolve_config("demo", None, [])
+    experiment = load_experiment(args.experiment, data=args.data)
+    return experiment.train_config(experiment.arm(args.teacher_arm), 0)
+
+
+def experiment_warm_start(args: argparse.Namespace) -> str:
+    """The warm start every run of `--experiment` starts from (the same for every arm and seed: `build_seed`),
+    built and cached exactly as its runs build it, so that they reuse this one."""
+    from eviback.train.runner import initial_policy
+
+    if not args.experiment:
+        raise SystemExit("--model LABEL=experiment needs --experiment FILE")
+    return initial_policy(teacher_run_config(args))
+
+
+def run_teacher(config):
+    """The teacher `config` trains with (two-stage: the trained evidence judge as Stage A, extractive Stage
     B), and what identifies its judge."""
     from eviback.cache import cache_dir
     from eviback.teacher.config import build_teacher
     from eviback.teacher.evidence_judge import CLASSIFIER_PREFIX
-    from eviback.train.config import resolve_config
     from eviback.train.runner import teacher_policy
 
-    config = resolve_config("demo", None, [])
     policy = teacher_policy(config)
     backend = policy.status_stage.backend or ""
     sha = backend[len(CLASSIFIER_PREFIX):] if backend.startswith(CLASSIFIER_PREFIX) else None
@@ -331,7 +357,11 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, metavar="LABEL=DIR",
-                        help="a warm start to measure (eviback sft prints its directory); repeatable")
+                        help="a warm start to measure (eviback sft prints its directory; 'experiment': the "
+                        "warm start of --experiment's runs, built if not cached); repeatable")
+    parser.add_argument("--experiment", type=Path, metavar="FILE", help="judge with this experiment's teacher "
+                        "(its --teacher-arm on --data) instead of the demo's")
+    parser.add_argument("--teacher-arm", default="eviback", help="the arm of --experiment whose teacher judges")
     parser.add_argument("--data", default=None, metavar="DIR", help="data suite (default: the embedded one)")
     parser.add_argument("--questions", type=int, default=0, help="training questions (0: all, seeded order)")
     parser.add_argument("--group-size", type=int, default=5)
@@ -353,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     models = dict(item.split("=", 1) for item in args.model)
+    models = {label: experiment_warm_start(args) if model == "experiment" else model
+              for label, model in models.items()}
     suite = load_suite(args.data)
     questions = question_order(read_training_questions(suite), args.seed, args.questions)
     shown = [("DIR" if args.data and a == args.data else a) for a in (argv if argv is not None else sys.argv[1:])]
@@ -369,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rollouts_only:
         print(json.dumps(timings, indent=2))
         return 0
-    teacher, report["teacher"] = demo_teacher()
+    teacher, report["teacher"] = run_teacher(teacher_run_config(args))
     per_model = {}
     for label, model in models.items():
         groups = read_rollouts(label, questions, args, args.work)

@@ -73,3 +73,22 @@ def test_the_cited_passage_is_read_by_rank_against_where_the_gold_was(tmp_path):
     cited = forms.summarise(directory)["cited"]
     assert cited == {"items": 3, "rank": {"1": 1, "2": 2}, "holds_gold": pytest.approx(0.3333),
                      "first_gold_at_rank_1": 1.0}
+
+
+def test_the_precondition_judges_with_the_experiments_own_teacher(tmp_path):
+    """`bench_precondition --experiment`: the teacher (and the warm start, `--model LABEL=experiment`) of that
+    experiment's runs on its data, so that a pre-registered gate measures what the runs will train with;
+    without it, the demo's."""
+    import argparse
+
+    precondition = load("bench_precondition")
+    data = str(tmp_path / "release")
+    args = argparse.Namespace(experiment=Path(__file__).resolve().parents[1] / "experiments" / "cpu-round3.yaml",
+                              data=data, teacher_arm="eviback")
+    config = precondition.teacher_run_config(args)
+    assert (config.data, config.warm_start_examples, config.learning_rate) == (data, 200, 1e-5)
+    assert config.teacher.stage_a == "judge"  # round 3's Stage A: the calibrated evidence judge
+    demo = precondition.teacher_run_config(argparse.Namespace(experiment=None, data=data, teacher_arm="eviback"))
+    assert demo.data is None and demo.max_steps == 8
+    with pytest.raises(SystemExit, match="needs --experiment"):
+        precondition.experiment_warm_start(argparse.Namespace(experiment=None))

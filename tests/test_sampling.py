@@ -180,6 +180,7 @@ def test_a_cpu_sampler_that_ignores_the_distribution_is_refused(broken):
 
 
 def test_the_vllm_engine_checked_its_own_sampler(vllm_backend):
-    """The session's engine started, so vLLM's compiled CPU sampler passed the check at its start; it passes
-    again here, on the kernel the engine samples with."""
+    """The session's engine checked vLLM's compiled CPU sampler when it started (and would not have started
+    had it failed); it passes again here, on the kernel the engine samples with."""
+    assert vllm_backend.sampler_checked
     check_cpu_sampler(49152)
