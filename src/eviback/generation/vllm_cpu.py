@@ -137,13 +137,14 @@ def check_cpu_sampler(vocab_size: int, sample: Any = None) -> None:
         except ImportError:
             log.debug("vLLM's CPU sampler is not where this check looks in this vLLM version: not checked")
             return
-    positions = sorted({0, 1, 31, 44, 1000 % vocab_size, vocab_size // 2, vocab_size - 1})
-    logits = torch.zeros(len(positions), vocab_size, dtype=torch.float32)  # vLLM samples from float32 logits
-    expected = torch.tensor(positions)
-    logits[torch.arange(len(positions)), expected] = SAMPLER_CHECK_LOGIT
+    cpu = torch.device("cpu")  # the CPU engine's sampler, on the CPU
+    positions = sorted(p for p in {0, 1, 31, 44, 1000, vocab_size // 2, vocab_size - 1} if p < vocab_size)
+    logits = torch.zeros(len(positions), vocab_size, dtype=torch.float32, device=cpu)  # vLLM samples from fp32
+    expected = torch.tensor(positions, device=cpu)
+    logits[torch.arange(len(positions), device=cpu), expected] = SAMPLER_CHECK_LOGIT
     state = torch.get_rng_state()
     try:
-        drawn = torch.as_tensor(sample(logits)).view(-1)
+        drawn = torch.as_tensor(sample(logits), device=cpu).view(-1)
     finally:
         torch.set_rng_state(state)
     if not torch.equal(drawn.to(expected.dtype), expected):
