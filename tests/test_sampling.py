@@ -164,7 +164,7 @@ def peaked_argmax_sampler(logits: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("vocab", [49152, 40])
 def test_the_cpu_sampler_check_passes_a_sampler_that_draws_from_the_distribution(vocab):
     state = torch.get_rng_state()
-    check_cpu_sampler(vocab, peaked_argmax_sampler)
+    assert check_cpu_sampler(vocab, peaked_argmax_sampler)
     assert torch.equal(torch.get_rng_state(), state)  # the trainer's stream is left where it was
 
 
@@ -182,6 +182,7 @@ def test_a_cpu_sampler_that_ignores_the_distribution_is_refused(broken):
 
 def test_the_vllm_engine_checked_its_own_sampler(vllm_backend):
     """The session's engine checked vLLM's compiled CPU sampler when it started (and would not have started
-    had it failed); it passes again here, on the kernel the engine samples with."""
+    had it failed); it passes again here, on the kernel the engine samples with. The pinned vLLM has the
+    sampler where the check looks: a version that moved it would fail here, not go unchecked."""
     assert vllm_backend.sampler_checked
-    check_cpu_sampler(49152)
+    assert check_cpu_sampler(49152)

@@ -149,10 +149,10 @@ class VllmBackend:
         self._tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
         # A CPU engine's compiled sampler, which nothing else would catch drawing noise (vllm_cpu).
         vocab_size = getattr(hf_config, "vocab_size", None)
-        self.sampler_checked = self._cpu and isinstance(vocab_size, int)
-        if self.sampler_checked:
+        self.sampler_checked = False
+        if self._cpu and isinstance(vocab_size, int):
             with self._threads():
-                check_cpu_sampler(vocab_size)
+                self.sampler_checked = check_cpu_sampler(vocab_size)
         # In-process, the sampler draws from torch's default generators: the CPU one, and on a GPU that GPU's.
         in_process_gpu = not self._cpu and config.executor != "multiprocess"
         self.rng = SamplerRNG(config.seed, cuda_device=self._cuda_index if in_process_gpu else None)

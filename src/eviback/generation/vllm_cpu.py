@@ -117,7 +117,7 @@ class SamplerBroken(RuntimeError):
     """vLLM's CPU sampler does not draw from the distribution it is given."""
 
 
-def check_cpu_sampler(vocab_size: int, sample: Any = None) -> None:
+def check_cpu_sampler(vocab_size: int, sample: Any = None) -> bool:
     """Refuse a CPU engine whose sampler ignores the distribution.
 
     vLLM's CPU sampler (`compiled_random_sample`: softmax, exponential noise, argmax) is compiled by PyTorch's
@@ -130,13 +130,13 @@ def check_cpu_sampler(vocab_size: int, sample: Any = None) -> None:
     each must draw its token. The process's RNG state is left as it was.
 
     `sample`: the function to check (logits (n, vocab) -> token ids (n,)); None: vLLM's own, where this
-    vLLM version has it (an older or newer one without it is not checked)."""
+    vLLM version has it (an older or newer one without it is not checked). True when a sampler was checked."""
     if sample is None:
         try:
             from vllm.v1.sample.ops.topk_topp_sampler import compiled_random_sample as sample
         except ImportError:
             log.debug("vLLM's CPU sampler is not where this check looks in this vLLM version: not checked")
-            return
+            return False
     cpu = torch.device("cpu")  # the CPU engine's sampler, on the CPU
     positions = sorted(p for p in {0, 1, 31, 44, 1000, vocab_size // 2, vocab_size - 1} if p < vocab_size)
     logits = torch.zeros(len(positions), vocab_size, dtype=torch.float32, device=cpu)  # vLLM samples from fp32
@@ -156,3 +156,4 @@ def check_cpu_sampler(vocab_size: int, sample: Any = None) -> None:
             "kernels compiled for another CPU instruction set (a cache shared between machines, or "
             "ATEN_CPU_CAPABILITY changed): remove it, or set TORCHINDUCTOR_CACHE_DIR to a folder of this "
             "machine's own, and start again")
+    return True
