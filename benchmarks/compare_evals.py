@@ -3,7 +3,8 @@
     python benchmarks/compare_evals.py BEFORE_EVAL_DIR AFTER_EVAL_DIR [MORE_BEFORE MORE_AFTER ...] \
         --out results/warmstart/forms.json
 
-Each directory is an `eviback eval --out` directory (its `items.jsonl`). Pairs of directories are read in
+Each directory is an `eviback eval --out` directory (its `items.jsonl`, or the `items.jsonl.gz` an experiment
+keeps). Pairs of directories are read in
 order (before, after); items are keyed by (benchmark, question id), so several pairs over different
 benchmarks or suites pool into one comparison (a suite's benchmark is prefixed by its pair's index when two
 pairs share a benchmark name). For F1, EM, valid answers, searches, duplicate searches and forced endings:
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 from eviback.data import read_jsonl
+from eviback.evaluate import items_path
 from eviback.metrics import normalize_answer
 from eviback.stats import paired_bootstrap
 
@@ -39,7 +41,7 @@ def gold_in_evidence(record: dict) -> float:
 
 
 def items(eval_dir: Path, prefix: str) -> dict[tuple[str, str], dict]:
-    records = {(prefix + str(r["benchmark"]), str(r["id"])): r for r in read_jsonl(eval_dir / "items.jsonl")
+    records = {(prefix + str(r["benchmark"]), str(r["id"])): r for r in read_jsonl(items_path(eval_dir))
                if "benchmark" in r and "id" in r}
     for r in records.values():
         r["gold_in_evidence"] = gold_in_evidence(r)
@@ -63,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.dirs) % 2:
         parser.error("give the eval directories in (before, after) pairs")
     before, after = {}, {}
-    names = [set(r["benchmark"] for r in read_jsonl(d / "items.jsonl")) for d in args.dirs[::2]]
+    try:
+        for directory in args.dirs:
+            items_path(directory)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    names = [set(r["benchmark"] for r in read_jsonl(items_path(d))) for d in args.dirs[::2]]
     shared = len(names) > 1 and bool(set.intersection(*names))
     for i in range(0, len(args.dirs), 2):
         prefix = f"{i // 2}:" if shared else ""

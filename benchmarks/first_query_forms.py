@@ -2,8 +2,8 @@
 
     python benchmarks/first_query_forms.py EVAL_DIR [EVAL_DIR ...] --out results/warmstart/first-query-forms.json
 
-Each directory is an `eviback eval --out` directory (its `items.jsonl`). For each item, the first `<search>`
-query is matched, after SQuAD normalisation, against the forms the warm start writes for that question
+Each directory is an `eviback eval --out` directory (its `items.jsonl`, or an experiment's `items.jsonl.gz`).
+For each item, the first `<search>` query is matched, after SQuAD normalisation, against the forms the warm start writes for that question
 (`eviback.queries.query_forms`: the question as written, its keywords, without its wh-word, subject and
 relation, the entity, the entity first). `other`: a query that is none of them (a blend, or words of the
 model's own); `none`: no search. Per form: how many items, their mean F1, and the share of them with a
@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eviback.data import read_jsonl
+from eviback.evaluate import items_path
 from eviback.metrics import normalize_answer
 from eviback.queries import query_forms
 from eviback.types import Question
@@ -76,7 +77,7 @@ def summarise_cited(items: list[dict]) -> dict:
 
 def summarise(eval_dir: Path) -> dict:
     rows: dict[str, list[dict]] = defaultdict(list)
-    everything = list(read_jsonl(eval_dir / "items.jsonl"))
+    everything = list(read_jsonl(items_path(eval_dir)))
     for item in everything:
         rows[first_query_form(item)].append(item)
     total = sum(len(r) for r in rows.values())

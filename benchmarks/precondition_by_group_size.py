@@ -7,7 +7,8 @@ and each k, this averages over every k-subset of every group (exactly, no sampli
 k-groups (no rollout with EM > 0) whose evidence labels differ, and whose teacher rewards differ (the
 teacher is informative). Each subset's rewards are the ones the teacher gave in the G-group; the two-stage
 teacher judges each rollout on its own evidence, so a subset's rewards are what it would have given the
-subset. Larger groups than G cannot be read off these records.
+subset; a subset holding a rollout the teacher failed on (reward None) counts as not informative, as
+`bench_precondition.py` counts a whole group. Larger groups than G cannot be read off these records.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def shares(groups: list[dict], k: int) -> dict[str, float]:
                 continue
             all_zero += weight
             labels += weight * (len({group["labels"][i] for i in subset}) > 1)
-            informative += weight * (len({group["rewards"][i] for i in subset}) > 1)
+            rewards = [group["rewards"][i] for i in subset]
+            # as bench_precondition counts a group: one the teacher failed on (a reward None) is not informative
+            informative += weight * (None not in rewards and len(set(rewards)) > 1)
     return {"all_zero": all_zero / len(groups), "labels_differ": labels / all_zero if all_zero else 0.0,
             "informative": informative / all_zero if all_zero else 0.0}
 

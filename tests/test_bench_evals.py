@@ -65,6 +65,27 @@ def test_f1_splits_into_gold_in_evidence_and_answering_where_both_saw_it(tmp_pat
     assert "| f1 where both saw a gold answer (2) | 1.000 | 0.500 |" in capsys.readouterr().out
 
 
+def test_an_experiments_kept_evaluations_are_read_compressed(tmp_path):
+    """An experiment keeps its evaluations as `eval/items.jsonl.gz`: compare_evals reads them as they are, and
+    a directory with neither file is refused by name."""
+    import gzip
+
+    compare = load("compare_evals")
+    before = write(tmp_path / "before", [record("a", "cartoonist", "river", 1), record("b", "cartoonist", "x", 1)])
+    after = tmp_path / "after"
+    after.mkdir()
+    with gzip.open(after / "items.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [record("a", "cartoonist", "cartoonist", 1),
+                                                    record("b", "cartoonist", "x", 1)])
+    out = tmp_path / "report.json"
+    assert compare.main([str(before), str(after), "--samples", "200", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["items"] == 2 and (report["before"]["f1"], report["after"]["f1"]) == (0.0, 0.5)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty holds no items.jsonl"):
+        compare.main([str(before), str(tmp_path / "empty")])
+
+
 def test_the_cited_passage_is_read_by_rank_against_where_the_gold_was(tmp_path):
     forms = load("first_query_forms")
     directory = write(tmp_path / "eval", [record("a", "cartoonist", "cartoonist", 1),
@@ -92,3 +113,17 @@ def test_the_precondition_judges_with_the_experiments_own_teacher(tmp_path):
     assert demo.data is None and demo.max_steps == 8
     with pytest.raises(SystemExit, match="needs --experiment"):
         precondition.experiment_warm_start(argparse.Namespace(experiment=None))
+
+
+def test_group_size_shares_are_exact_over_subsets_and_a_teacher_failure_is_not_informative():
+    by_size = load("precondition_by_group_size")
+    # three all-zero rollouts: labels a, a, b; rewards 0.1, 0.1, None (the teacher failed on the third)
+    group = {"em": [0, 0, 0], "labels": ["a", "a", "b"], "rewards": [0.1, 0.1, None]}
+    at2 = by_size.shares([group], 2)
+    assert at2["all_zero"] == 1.0
+    assert at2["labels_differ"] == pytest.approx(2 / 3)  # {a,b} twice of the three pairs
+    assert at2["informative"] == 0.0  # the pairs that differ hold the failure; the other pair's rewards agree
+    group["rewards"] = [0.1, 0.0, 0.1]
+    assert by_size.shares([group], 2)["informative"] == pytest.approx(2 / 3)
+    hit = {"em": [1, 0, 0], "labels": ["a", "a", "b"], "rewards": [1.0, 0.0, 0.1]}
+    assert by_size.shares([hit], 3) == {"all_zero": 0.0, "labels_differ": 0.0, "informative": 0.0}

@@ -65,6 +65,15 @@ VIEWER_FILE = "viewer.html"
 SCHEMA_VERSION = 1
 
 
+def items_path(out: str | os.PathLike) -> Path:
+    """The per-item records of an evaluation directory: `items.jsonl`, else the compressed copy an experiment
+    keeps (`items.jsonl.gz`). Raises FileNotFoundError naming the directory when it holds neither."""
+    for name in (ITEMS_FILE, ITEMS_FILE + ".gz"):
+        if (Path(out) / name).exists():
+            return Path(out) / name
+    raise FileNotFoundError(f"{out} holds no {ITEMS_FILE} or {ITEMS_FILE}.gz: not an evaluation's directory")
+
+
 @dataclass(frozen=True)
 class EvalTask:
     """One question to evaluate, and the benchmark it belongs to."""
