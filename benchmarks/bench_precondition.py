@@ -185,11 +185,35 @@ def question_order(questions: list, seed: int, limit: int) -> list:
     return order[:limit] if limit else order
 
 
+def check_model(folder: Path, model: str) -> None:
+    """The rollouts kept under `folder` are the model's: `folder/model.json` records the weights they were
+    rolled out with (their fingerprint), written with the first batch. A folder holding another model's
+    rollouts, or rollouts of no recorded model, is refused: reusing them would measure the wrong policy."""
+    from eviback.train.sft import model_fingerprint
+
+    record = folder / "model.json"
+    fingerprint = model_fingerprint(model)
+    if record.exists():
+        kept = json.loads(record.read_text())
+        if kept["fingerprint"] != fingerprint:
+            raise SystemExit(f"{folder} holds the rollouts of another model ({kept['model']}, weights "
+                             f"{kept['fingerprint'][:12]}), not of {model} ({fingerprint[:12]}): name another "
+                             "--work or label, or delete that folder to measure afresh")
+        return
+    if any(folder.glob("batch-*.jsonl.gz")):
+        raise SystemExit(f"{folder} holds rollouts with no record of the model that made them: name another "
+                         "--work or label, or delete that folder to measure afresh")
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"model": str(model), "fingerprint": fingerprint}, indent=1) + "\n")
+
+
 def roll_out(label: str, model: str, questions: list, args: argparse.Namespace, work: Path) -> dict:
     """Write the rollouts of each batch of questions to `work/label/batch-NNNN.jsonl.gz`; batches already
-    there are kept. Returns the timing of the batches run now."""
+    there are kept (when they are this model's: :func:`check_model`). Returns the timing of the batches run
+    now."""
     folder = work / label
     folder.mkdir(parents=True, exist_ok=True)
+    check_model(folder, model)
     batches = [(b, questions[at: at + args.batch_questions])
                for b, at in enumerate(range(0, len(questions), args.batch_questions))]
     todo = [(b, qs) for b, qs in batches if not (folder / f"batch-{b:04d}.jsonl.gz").exists()]
@@ -404,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher, report["teacher"] = run_teacher(teacher_run_config(args))
     per_model = {}
     for label, model in models.items():
+        check_model(args.work / label, model)
         groups = read_rollouts(label, questions, args, args.work)
         start = time.perf_counter()
         verdicts = judged(label, groups, teacher, report["teacher"], args.work)

@@ -127,3 +127,24 @@ def test_group_size_shares_are_exact_over_subsets_and_a_teacher_failure_is_not_i
     assert by_size.shares([group], 2)["informative"] == pytest.approx(2 / 3)
     hit = {"em": [1, 0, 0], "labels": ["a", "a", "b"], "rewards": [1.0, 0.0, 0.1]}
     assert by_size.shares([hit], 3) == {"all_zero": 0.0, "labels_differ": 0.0, "informative": 0.0}
+
+
+def test_kept_rollouts_are_reused_only_for_the_model_that_made_them(tmp_path):
+    """bench_precondition resumes from the rollouts under --work/LABEL: naming another model under the same
+    label (the experiment's warm start after a builder change) is refused, not measured with the old rollouts."""
+    precondition = load("bench_precondition")
+    old, new = tmp_path / "old", tmp_path / "new"
+    for directory, weights in ((old, b"old weights"), (new, b"new weights")):
+        directory.mkdir()
+        (directory / "config.json").write_text("{}")
+        (directory / "model.safetensors").write_bytes(weights)
+    folder = tmp_path / "work" / "round3"
+    folder.mkdir(parents=True)
+    precondition.check_model(folder, str(old))  # a fresh folder records its model
+    (folder / "batch-0000.jsonl.gz").write_bytes(b"")
+    precondition.check_model(folder, str(old))  # the same weights: reused
+    with pytest.raises(SystemExit, match="holds the rollouts of another model"):
+        precondition.check_model(folder, str(new))
+    (folder / "model.json").unlink()
+    with pytest.raises(SystemExit, match="no record of the model"):
+        precondition.check_model(folder, str(old))

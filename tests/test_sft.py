@@ -11,7 +11,7 @@ import pytest
 from eviback.data import eval_question_keys, load_suite
 from eviback.metrics import exact_match, normalize_answer
 from eviback.protocol import render_observation
-from eviback.queries import contains_words, hop_query, query_forms, query_terms
+from eviback.queries import QueryForm, contains_words, hop_query, query_forms, query_terms
 from eviback.train import sft
 from eviback.train import warmstart_data as wsd
 from eviback.types import ActionKind, Passage, Question
@@ -197,6 +197,45 @@ def test_multi_hop_example_searches_an_entity_found_by_the_first_search():
     assert "London" in second.observation and exact_match(example.trajectory.answer, ["London"]) == 1.0
 
 
+def test_supporting_passages_named_by_title_only_are_matched_by_title():
+    """The release's multi-hop training files name their support by title, without passage ids: the hop must
+    bring a passage of one of those titles (builder 4 looked for ids only and built no multi-hop example)."""
+    question = q("h3", "What city was the designer of the engine Ada Lovelace worked on from?", ["London"],
+                 dataset="hotpotqa", supporting_titles=["Ada Lovelace", "Charles Babbage"])
+    assert not question.gold_passage_ids
+    (example,), report, _ = build([question])
+    assert example.kind is wsd.ExampleKind.MULTI and report.kept == {"multi": 1}
+    first, second, _ = example.trajectory.turns
+    brought = [p for p in second.passages if p.id not in {f.id for f in first.passages}]
+    assert "Charles Babbage" in {p.title for p in brought}
+    entity = re.search(r"\(Doc \d\) mentions (.+?)\. I need", second.text).group(1)
+    assert any(p.title == "Charles Babbage" and contains_words(p.contents, entity) for p in brought)
+
+
+def test_an_answer_outside_the_named_support_is_not_cited():
+    """Support named by title only: a passage of another title that happens to hold the answer is not cited."""
+    question = q("h4", "Which city was Charles Babbage born in?", ["London"], dataset="hotpotqa",
+                 supporting_titles=["Blue whale"])
+    examples, report, _ = build([question])
+    assert examples == [] and sum(report.rejected.values()) == 1
+    assert wsd.support_ids(question, CORPUS) == {"p5"}
+    assert wsd.support_ids(q("n9", "x", ["y"]), CORPUS) is None  # no support named: any passage may be cited
+
+
+def test_a_hop_is_kept_only_when_the_passage_it_brought_names_the_entity_searched():
+    """A supporting passage that a hop query retrieved through its other words, without naming the entity,
+    came by chance: keeping it would teach "Acme Widgets mentions Rover Club, I need more about Rover Club"
+    as the way to the answer."""
+    corpus = [Passage.from_title_text("a1", "Acme Widgets", "Acme Widgets is a company. Its sponsor is Rover Club."),
+              Passage.from_title_text("a2", "Birth records", "The founder of the company was born in Paris.")]
+    question = q("h5", "Where was the founder of Acme Widgets born?", ["Paris"], dataset="hotpotqa",
+                 supporting_titles=["Acme Widgets", "Birth records"], gold_passage_ids=["a1", "a2"])
+    # seed 6 draws the entity as the first query and the entity with the question's keywords as the hop
+    examples, report, retriever = build([question], corpus=corpus, topk=2, seed=6)
+    assert retriever.queries == ["Acme Widgets", "Rover Club founder Acme"]  # the hop brought a2, by "founder"
+    assert examples == [] and report.rejected == {"no_second_hop": 1}
+
+
 def test_multi_hop_question_without_a_useful_second_hop_falls_back_to_single():
     question = q("h2", "who designed the analytical engine", ["Charles Babbage"], dataset="hotpotqa",
                  supporting_titles=["Analytical Engine"], gold_passage_ids=["p2"])
@@ -220,13 +259,37 @@ def test_retry_example_searches_again_after_a_miss():
             assert example.kind is wsd.ExampleKind.RETRY
             first, second, last = example.trajectory.turns
             assert "New York" not in first.observation and "New York City" in second.observation
-            # The search again is another form of the question, with other terms than the first search's.
+            # The search again is another form of the question, with other terms than the first search's, by
+            # one rule: the question as written after any other form, the shorter query after the question.
             forms = query_forms(question)
             assert [first.action.content, second.action.content] == [forms[f] for f in example.forms]
             assert query_terms(first.action.content) != query_terms(second.action.content)
             assert retriever.queries == [first.action.content, second.action.content]
-            assert "search again" in second.text
+            if example.forms[0] is QueryForm.QUESTION:
+                assert example.forms[1] is QueryForm.SUBJECT_RELATION
+                assert "search again with a shorter query" in second.text
+            else:
+                assert example.forms[1] is QueryForm.QUESTION
+                assert "search again with the whole question" in second.text
     assert kinds == {wsd.ExampleKind.SINGLE, wsd.ExampleKind.RETRY}
+
+
+def test_retry_form_follows_one_rule():
+    question = q("r1", "In what country is the city of Ulm?", ["Germany"], dataset="popqa", subj="Ulm",
+                 prop="country")
+    forms = query_forms(question)
+    assert {QueryForm.QUESTION, QueryForm.SUBJECT_RELATION, QueryForm.ENTITY} <= set(forms)
+    others = {form: query for form, query in forms.items() if form is not QueryForm.ENTITY}
+    assert wsd.retry_form(QueryForm.ENTITY, others, 0, question) is QueryForm.QUESTION
+    after_question = {form: query for form, query in forms.items() if form is not QueryForm.QUESTION}
+    assert wsd.retry_form(QueryForm.QUESTION, after_question, 0, question) is QueryForm.SUBJECT_RELATION
+    no_subject = {form: query for form, query in after_question.items() if form is not QueryForm.SUBJECT_RELATION}
+    assert wsd.retry_form(QueryForm.QUESTION, no_subject, 0, question) is QueryForm.ENTITY
+    # Neither shorter form: a seeded draw from what is left, the same for the same seed.
+    rest = {form: query for form, query in no_subject.items() if form is not QueryForm.ENTITY}
+    drawn = {wsd.retry_form(QueryForm.QUESTION, rest, seed, question) for seed in range(20)}
+    assert drawn <= set(rest) and len(drawn) > 1
+    assert wsd.retry_form(QueryForm.QUESTION, rest, 3, question) is wsd.retry_form(QueryForm.QUESTION, rest, 3, question)
 
 
 def test_query_forms_are_drawn_per_question_and_seed():

@@ -11,7 +11,9 @@ whose model turns end at `</search>` or `</answer>` and whose observations are e
   the passage writes it (its exact match with the gold answers is checked).
 - `multi` (multi-hop training questions): search, then search an entity that the first results mention (a
   supporting-passage title found in them, else a named entity from them). Kept only when the second search
-  brings a gold passage that the first did not, and that passage holds the answer.
+  brings a supporting passage that the first did not, which names the entity searched for and holds the
+  answer. Supporting passages are known by id, or by title where the data names them by title only (the
+  release's multi-hop training files), as the teacher's labels know them.
 - `retry` (single-hop questions whose first search missed): search again with a query of other terms; kept
   only when the second search brings the answer. These teach the model that an unhelpful search is not the
   end.
@@ -21,10 +23,10 @@ query from the forms the question gives (:func:`eviback.queries.query_forms`: th
 keywords, the question without its wh-word, subject and relation where the data records them, a name of
 the question, the keywords with that name first), the question as written with probability
 :data:`FIRST_SHARE`; a second hop as the entity alone or the entity with the question's first keywords; a
-search again from the question's forms whose terms differ from the first query's, subject and relation
-(else the entity) with probability :data:`RETRY_SHARE`. Each draw is seeded by the build seed and the
-question (:func:`eviback.queries.draw_form`), so a build is deterministic, and a question's form does not
-depend on which other questions are built. A model trained on one form (the question verbatim, builder 1)
+search again by one rule (:func:`retry_form`): the question as written after any other first query, the
+shorter query (subject and relation, else the entity) after the question. Each draw is seeded by the build
+seed and the question (:func:`eviback.queries.draw_form`), so a build is deterministic, and a question's form
+does not depend on which other questions are built. A model trained on one form (the question verbatim, builder 1)
 searched it in 90% of its training rollouts, so the rollouts of a group saw the same passages and a teacher
 judging their evidence had nothing to tell apart; one trained on a uniform draw (builder 2) searched in
 varied forms, but its greedy searches blended them and its held-out F1 fell (the constants below).
@@ -67,6 +69,7 @@ from eviback.queries import (
     query_terms,
 )
 from eviback.retrieval.base import Retriever
+from eviback.teacher.labels import supporting_titles
 from eviback.types import ActionKind, Passage, Question, StopReason, TokenTrace, Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -80,7 +83,11 @@ if TYPE_CHECKING:
 #    builder 3's seed-0 policy, writing the number first, cited Doc 2 in half its answers where the gold was at
 #    Doc 1 as often as for builder 1. Over two SFT seeds each, +0.013 [+0.000, +0.026] held-out F1 over
 #    builder 3; the seed alone moves it by 0.03-0.04 (results/warmstart.md).
-BUILDER_VERSION = 4
+# 5: a search again follows one rule (RETRY_AFTER_QUESTION) instead of a draw, and says which way it changes
+#    the query ("with the whole question" / "with a shorter query"); a question whose data names its supporting
+#    passages by title only (the release's multi-hop training files) has them matched by title, as the teacher's
+#    labels match them: builder 4 looked for ids only and made no multi-hop example from the release.
+BUILDER_VERSION = 5
 
 # The mode of the first query's draw, and its share. Greedy decoding follows a policy's mode: with a uniform
 # draw (builder 2) the greedy warm-started policy searched 36% of held-out questions in a form that matched
@@ -90,11 +97,12 @@ BUILDER_VERSION = 4
 # in answering rather than searching (results/warmstart.md).
 FIRST_PREFERRED: tuple[QueryForm, ...] = (QueryForm.QUESTION,)
 FIRST_SHARE = 0.5
-# A search again: one rule most of the time (the shorter query: subject and relation, else the entity), so
-# that the model learns what to change rather than a draw it cannot tell from the question (builder 2's
-# greedy policy searched the same query twice for a quarter of held-out questions).
-RETRY_PREFERRED: tuple[QueryForm, ...] = (QueryForm.SUBJECT_RELATION, QueryForm.ENTITY)
-RETRY_SHARE = 0.5
+# A search again follows one rule, so that the model can learn what to change from what it searched: after
+# any query other than the question as written, the question as written; after the question, the shorter query
+# (the first of these that the question gives). Builder 3 and 4 took the shorter query for half the retries and
+# drew the rest from every other form; on the release (200 examples, all 60 multi-search ones retries) builder
+# 4's greedy policy searched the same query twice for 15% of held-out questions (results/warmstart.md).
+RETRY_AFTER_QUESTION: tuple[QueryForm, ...] = (QueryForm.SUBJECT_RELATION, QueryForm.ENTITY)
 
 IGNORE_INDEX = -100  # the label of a token excluded from the loss (PyTorch's cross-entropy default)
 
@@ -257,11 +265,26 @@ def ground(golds: Sequence[str], search: _Search, allowed_ids: Iterable[str] = (
     return None
 
 
+def support_ids(question: Question, passages: Sequence[Passage]) -> set[str] | None:
+    """Which of `passages` are the question's supporting passages: None when its data names no support (then
+    any passage holding the answer may be cited), else their ids, by id where the data gives ids and by title
+    otherwise (the release's multi-hop training files name their supporting passages by title only)."""
+    if question.gold_passage_ids:
+        gold = set(question.gold_passage_ids)
+        return {p.id for p in passages if p.id in gold}
+    titles = {normalize_answer(title) for title in supporting_titles(question)}
+    if not titles:
+        return None
+    return {p.id for p in passages if normalize_answer(p.title) in titles}
+
+
 def _ground_question(question: Question, search: _Search,
                      allowed_ids: Iterable[str] | None = None) -> _Grounding | None:
     subject = question.metadata.get("subj")
-    allowed = question.gold_passage_ids if allowed_ids is None else allowed_ids
-    return ground(question.golden_answers, search, allowed, str(subject) if subject else None)
+    allowed = support_ids(question, search.passages) if allowed_ids is None else set(allowed_ids)
+    if allowed is not None and not allowed:
+        return None  # the data names the support, and none of it was retrieved
+    return ground(question.golden_answers, search, allowed or (), str(subject) if subject else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,13 +419,18 @@ def _retry(question: Question, first: _Search, retriever: Retriever, tokenizer: 
               if query_terms(query) and query_terms(query) != terms}
     if not others:
         return None, "answer_not_retrieved"
-    form = draw_form(others, seed, question, "second", RETRY_PREFERRED, RETRY_SHARE)
+    form = retry_form(first.form, others, seed, question)
     query = others[form]
     second = _make_search(query, retriever.search([query], topk=topk)[0], tokenizer, max_obs_tokens, form)
     g = _ground_question(question, second)
     if g is None:
         return None, "answer_not_retrieved"
-    how = "a shorter query" if len(query.split()) < len(first.query.split()) else "other words"
+    if form is QueryForm.QUESTION:
+        how = "the whole question"
+    elif len(query.split()) < len(first.query.split()):
+        how = "a shorter query"
+    else:
+        how = "other words"
     turns = [
         _executed(_search_turn(_pick(_FIRST, question.id), first.query), first),
         _executed(_search_turn(f"These documents do not answer the question. I will search again with {how}.",
@@ -412,11 +440,21 @@ def _retry(question: Question, first: _Search, retriever: Retriever, tokenizer: 
     return WarmStartExample(_trajectory(question, turns, g.surface), ExampleKind.RETRY, (first.form, form)), ""
 
 
+def retry_form(first: QueryForm, others: Mapping[QueryForm, str], seed: int, question: Question) -> QueryForm:
+    """The form of a search again after a first search in form `first`, among `others` (the forms whose terms
+    differ from the first query's): the question as written after any other form; after the question, the
+    first of :data:`RETRY_AFTER_QUESTION` that `others` holds, else a seeded draw from `others`."""
+    if first is not QueryForm.QUESTION and QueryForm.QUESTION in others:
+        return QueryForm.QUESTION
+    preferred = next((form for form in RETRY_AFTER_QUESTION if form in others), None)
+    return preferred or draw_form(others, seed, question, "second")
+
+
 def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokenizer: PreTrainedTokenizerBase,
                topk: int, max_obs_tokens: int, seed: int,
                max_candidates: int = 8) -> tuple[WarmStartExample | None, str]:
-    gold = set(question.gold_passage_ids)
     seen = {p.id for p in first.passages}
+    first_support = support_ids(question, first.passages) or set()
     golds_norm = [normalize_answer(a) for a in question.golden_answers]
     # The second query names something the first results mention: a supporting title found in them first
     # (the bridge entity of most HotpotQA questions), then other named entities of the results.
@@ -426,7 +464,7 @@ def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokeniz
         doc = next((i for i, text in enumerate(first.visible, start=1) if contains_words(text, title)), None)
         if doc and not contains_words(question.question, title) and normalize_answer(title) not in first_titles:
             candidates.setdefault(title, doc)
-    prefer = sorted(range(len(first.passages)), key=lambda i: (first.passages[i].id not in gold, i))
+    prefer = sorted(range(len(first.passages)), key=lambda i: (first.passages[i].id not in first_support, i))
     for i in prefer:
         for entity in entity_candidates(first.visible[i], question.question,
                                         exclude=[p.title for p in first.passages]):
@@ -441,7 +479,10 @@ def _multi_hop(question: Question, first: _Search, retriever: Retriever, tokeniz
         return None, "no_second_hop"
     results = retriever.search([query for _, query in hops], topk=topk)
     for (entity, query), passages in zip(hops, results, strict=True):
-        new_gold = [p.id for p in passages if p.id in gold and p.id not in seen]
+        # a supporting passage the first search did not bring, about the entity searched for (a passage that
+        # does not name it came by chance and would teach a bridge that is not one)
+        support = (support_ids(question, passages) or set()) - seen
+        new_gold = [p.id for p in passages if p.id in support and contains_words(p.contents, entity)]
         if not new_gold:
             continue
         second = _make_search(query, passages, tokenizer, max_obs_tokens, form)
@@ -539,5 +580,6 @@ def labels_for(trace: TokenTrace) -> tuple[list[int], list[int]]:
 
 __all__ = [
     "BUILDER_VERSION", "ActionKind", "BuildReport", "ExampleKind", "WarmStartExample", "build_examples",
-    "cap_observation", "find_answer", "ground", "labels_for", "select_examples", "tokenize_trajectory",
+    "cap_observation", "find_answer", "ground", "labels_for", "retry_form", "select_examples", "support_ids",
+    "tokenize_trajectory",
 ]
