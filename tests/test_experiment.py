@@ -469,3 +469,33 @@ def test_two_arm_experiment_end_to_end_committed_and_resumed(tmp_path):
     again = run_experiment(tmp_path, "exp.yaml", "--data", data, "--commit", timeout_s=REPLAY_CALL_S)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "run 1/" not in again.stderr and "eviback - grpo" in again.stdout
+
+
+def test_a_run_resumes_only_from_the_start_it_began_with(tmp_path, caplog):
+    """A run's checkpoints were trained from the policy its start.json names. Resumed after the warm start
+    changed (a new builder version: another cache key, so another name), it is refused rather than continued
+    with the new start as its reference and record; the same warm start rebuilt on another machine (same name,
+    other weights) goes on, and the record keeps the weights the run began from."""
+    from eviback.train.runner import StartChanged, write_start_record
+
+    def policy(name: str, weights: bytes) -> str:
+        directory = tmp_path / "cache" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text("{}")
+        (directory / "model.safetensors").write_bytes(weights)
+        return str(directory)
+
+    record = tmp_path / "run" / "start.json"
+    record.parent.mkdir()
+    write_start_record(record, policy("builder4-key", b"a"))
+    began = json.loads(record.read_text())
+    assert began["policy"] == "builder4-key"
+    write_start_record(record, policy("builder4-key", b"a"), resuming=True)
+    assert json.loads(record.read_text()) == began
+    with pytest.raises(StartChanged, match="'builder4-key'.*'builder5-key'"):
+        write_start_record(record, policy("builder5-key", b"b"), resuming=True)
+    with caplog.at_level("WARNING"):
+        write_start_record(record, policy("builder4-key", b"a rebuilt sibling"), resuming=True)
+    assert "rebuilt here" in caplog.text and json.loads(record.read_text()) == began
+    write_start_record(record, policy("builder5-key", b"b"))  # a fresh run records its own start
+    assert json.loads(record.read_text())["policy"] == "builder5-key"

@@ -385,7 +385,7 @@ def build_training(config: TrainConfig, start: RunStart, server: VllmServerBacke
     with start.state.main_process_first():  # one process builds the cached warm start, the others reuse it
         policy_path = initial_policy(config)
     if main:
-        write_start_record(run.start_path, policy_path)
+        write_start_record(run.start_path, policy_path, resuming=start.resumed_from is not None)
     tokenizer = load_tokenizer(policy_path)
     placement = start.placement
     dtype = placement.dtype_choice
@@ -706,12 +706,36 @@ def write_placements(path: Path, placement: Placement, rank: int = 0) -> None:
                                   "models": records, "off_device": off_device(records)}, indent=2) + "\n")
 
 
-def write_start_record(path: Path, policy_path: str) -> None:
-    """Which policy a run started from, by name and by a hash of its weights: runs compared as "from the same
-    warm start" can be checked to be so, even when the warm start was rebuilt on another machine."""
+class StartChanged(ValueError):
+    """A run would resume from checkpoints trained from another starting policy than the one it would start
+    from now."""
 
-    path.write_text(json.dumps({"policy": Path(policy_path).name, "fingerprint": model_fingerprint(policy_path)},
-                               indent=2) + "\n")
+
+def write_start_record(path: Path, policy_path: str, *, resuming: bool = False) -> None:
+    """Which policy a run started from, by name and by a hash of its weights: runs compared as "from the same
+    warm start" can be checked to be so, even when the warm start was rebuilt on another machine.
+
+    `resuming`: the run continues from its checkpoints, so its start must be the one recorded. A policy of
+    another name (a warm start of another builder version, base model or settings: the name is their cache
+    key) raises :class:`StartChanged`, naming both, rather than mixing a policy trained from one start with a
+    reference model and a record of the other. The same name with other weights is a rebuild on another
+    machine (the CPU fine-tune is not bitwise reproducible): the record keeps the weights the run began from,
+    and a warning says so."""
+    name, fingerprint = Path(policy_path).name, model_fingerprint(policy_path)
+    if resuming and path.exists():
+        before = json.loads(path.read_text())
+        if before.get("policy") != name:
+            raise StartChanged(
+                f"{path.parent} began from the policy {before.get('policy')!r}, and would now start from {name!r}: "
+                "the warm start changed since the run began (another warm-start builder version, base model or "
+                "setting), so its checkpoints cannot be continued. Train it afresh in another directory (or "
+                "delete this one); the finished runs of an experiment are kept apart from its work directory")
+        if before.get("fingerprint") != fingerprint:
+            log.warning("%s began from %s with weights %s; this machine's copy of that warm start has weights %s "
+                        "(rebuilt here): the run goes on from its checkpoint, its record keeps the weights it "
+                        "began from", path.parent, name, str(before.get("fingerprint"))[:12], fingerprint[:12])
+        return
+    path.write_text(json.dumps({"policy": name, "fingerprint": fingerprint}, indent=2) + "\n")
 
 
 def held_out_eval_config(config: TrainConfig, out: str | Path, model: str, *, max_context_tokens: int | None = None,
