@@ -3,10 +3,10 @@
     python benchmarks/first_query_forms.py EVAL_DIR [EVAL_DIR ...] --out results/warmstart/first-query-forms.json
 
 Each directory is an `eviback eval --out` directory (its `items.jsonl`, or an experiment's `items.jsonl.gz`).
-For each item, the first `<search>` query is matched, after SQuAD normalisation, against the forms the warm start writes for that question
-(`eviback.queries.query_forms`: the question as written, its keywords, without its wh-word, subject and
-relation, the entity, the entity first). `other`: a query that is none of them (a blend, or words of the
-model's own); `none`: no search. Per form: how many items, their mean F1, and the share of them with a
+For each item, the first `<search>` query is matched, after SQuAD normalisation, against the forms the warm
+start writes for that question (`eviback.queries.query_forms`: the question as written, its keywords,
+without its wh-word, subject and relation, the entity, the entity first). `other`: a query that is none of
+them (a blend, or words of the model's own); `none`: no search. Per form: how many items, their mean F1, and the share of them with a
 duplicate search (the same query searched twice). Greedy evaluation shows what a policy does at its mode:
 a warm start whose draw over forms has no mode may blend them.
 
