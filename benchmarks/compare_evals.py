@@ -40,8 +40,8 @@ def gold_in_evidence(record: dict) -> float:
     return float(saw_gold(from_dict(Trajectory, record["trajectory"])))
 
 
-def items(eval_dir: Path, prefix: str) -> dict[tuple[str, str], dict]:
-    records = {(prefix + str(r["benchmark"]), str(r["id"])): r for r in read_jsonl(items_path(eval_dir))
+def items(path: Path, prefix: str) -> dict[tuple[str, str], dict]:
+    records = {(prefix + str(r["benchmark"]), str(r["id"])): r for r in read_jsonl(path)
                if "benchmark" in r and "id" in r}
     for r in records.values():
         r["gold_in_evidence"] = gold_in_evidence(r)
@@ -66,16 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the eval directories in (before, after) pairs")
     before, after = {}, {}
     try:
-        for directory in args.dirs:
-            items_path(directory)
+        files = [items_path(directory) for directory in args.dirs]
     except FileNotFoundError as e:
         raise SystemExit(str(e)) from None
-    names = [set(r["benchmark"] for r in read_jsonl(items_path(d))) for d in args.dirs[::2]]
+    names = [set(r["benchmark"] for r in read_jsonl(f)) for f in files[::2]]
     shared = len(names) > 1 and bool(set.intersection(*names))
     for i in range(0, len(args.dirs), 2):
         prefix = f"{i // 2}:" if shared else ""
-        before.update(items(args.dirs[i], prefix))
-        after.update(items(args.dirs[i + 1], prefix))
+        before.update(items(files[i], prefix))
+        after.update(items(files[i + 1], prefix))
     keys = sorted(set(before) & set(after))
     if not keys:
         raise SystemExit("the two sides share no item: evaluate both policies on the same questions")
