@@ -1,5 +1,5 @@
-"""The trained evidence judge as a Stage A backend: a small cross-encoder that decides the status (S/A/I) of
-the evidence the actor saw, for machines without a large teacher model.
+"""The trained evidence judge as a Stage A backend: a small sentence-encoder classifier that decides the status
+(S/A/I) of the evidence the actor saw, for machines without a large teacher model.
 
 A judge is built by `eviback build-judge` (:mod:`eviback.train.judge_builder`); this module is what uses it:
 the artifact's record, the client that answers a classifier stage's request, and the registry that finds a
@@ -448,6 +448,9 @@ def judge_policy(sha256: str, base: TeacherPolicy | None = None) -> TeacherPolic
                         run_on=(), decoding=Decoding(temperature=0.0, max_tokens=1), backend=CLASSIFIER_PREFIX + sha256)
     return dataclasses.replace(
         base, name=f"{base.name}-judge", stages=(stage_a,) + base.stages[1:],
+        # "cross-encoder" is stale since the bi-encoder became the default (builder 4); the description enters the
+        # policy's version hash, recorded by every run of an experiment in progress, so it is reworded only
+        # once no run of the current round (experiments/cpu-round3.yaml) is left.
         description=f"{base.name} with Stage A decided by the trained evidence judge {sha256[:12]} (a gold-blind "
                     f"cross-encoder over the question and the evidence as the actor saw it); later stages unchanged.")
 
